@@ -1,0 +1,222 @@
+"""The one schema module: Arrow schemas of the Parquet tables and the typed records
+that map 1:1 onto them (DESIGN.md, "Data contracts").
+
+Every stage imports its records from here. `to_table` / `from_table` convert a list
+of records to an Arrow table and back, so the Parquet files, the DuckDB views and
+the Python objects always agree on column names and types.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+TOOL_CALL = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
+MESSAGE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("tool_calls", pa.list_(TOOL_CALL)),
+        ("tool_call_id", pa.string()),
+        ("name", pa.string()),
+    ]
+)
+TS = pa.timestamp("us", tz="UTC")
+
+ROLLOUTS = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("batch_id", pa.string()),
+        ("policy_id", pa.string()),
+        ("task", pa.string()),
+        ("split", pa.string()),
+        ("prompt_id", pa.string()),
+        ("group_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("messages", pa.list_(MESSAGE)),
+        ("token_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),  # 1 = token sampled from the policy
+        ("behavior_logprobs", pa.list_(pa.float32())),  # aligned with token_ids; 0 where mask is 0
+        ("num_turns", pa.int32()),
+        ("num_tool_calls", pa.int32()),
+        ("finish_reason", pa.string()),  # answer | max_turns | max_tokens | error
+        ("truncated", pa.bool_()),
+        ("metadata", pa.string()),  # JSON: ground truth and task fields
+        ("sampling", pa.string()),  # JSON: temperature, top_p, max_new_tokens, ...
+        ("seed", pa.int64()),
+        ("gen_seconds", pa.float64()),
+        ("created_at", TS),
+        ("schema_version", pa.int32()),
+    ]
+)
+
+REWARDS = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("batch_id", pa.string()),  # the rollout batch
+        ("reward_name", pa.string()),
+        ("reward_version", pa.string()),
+        ("value", pa.float64()),  # null on error
+        ("details", pa.string()),  # JSON
+        ("error", pa.string()),
+        ("score_batch_id", pa.string()),  # the reward batch (artifact) that wrote this row
+        ("scored_at", TS),
+        ("schema_version", pa.int32()),
+    ]
+)
+
+EVALS = pa.schema(
+    [
+        ("policy_id", pa.string()),
+        ("task", pa.string()),
+        ("split", pa.string()),
+        ("metric", pa.string()),
+        ("value", pa.float64()),
+        ("n", pa.int64()),
+        ("eval_batch_id", pa.string()),
+        ("created_at", TS),
+        ("schema_version", pa.int32()),
+    ]
+)
+
+# Parquet table kind -> schema. The data folder has one subfolder per kind.
+TABLES: dict[str, pa.Schema] = {"rollouts": ROLLOUTS, "rewards": REWARDS, "evals": EVALS}
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text exactly as the model wrote it (may be malformed)
+
+
+@dataclass
+class Message:
+    """One chat message in the OpenAI shape (tool calls included)."""
+
+    role: str
+    content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The message as an OpenAI chat dict (what chat templates and judges take)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+@dataclass
+class Rollout:
+    """One agent episode; one row of `rollouts`."""
+
+    rollout_id: str
+    batch_id: str
+    policy_id: str
+    task: str
+    split: str
+    prompt_id: str
+    group_id: str
+    sample_idx: int
+    messages: list[Message]
+    token_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    num_turns: int
+    num_tool_calls: int
+    finish_reason: str
+    truncated: bool
+    metadata: dict[str, Any]
+    sampling: dict[str, Any]
+    seed: int
+    gen_seconds: float
+    created_at: datetime = field(default_factory=now)
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclass
+class RewardRow:
+    """One reward value for one rollout under one reward version; one row of `rewards`."""
+
+    rollout_id: str
+    batch_id: str
+    reward_name: str
+    reward_version: str
+    value: float | None
+    details: dict[str, Any] | None
+    error: str | None
+    score_batch_id: str
+    scored_at: datetime = field(default_factory=now)
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclass
+class EvalRow:
+    """One metric of one policy on one task split; one row of `evals`."""
+
+    policy_id: str
+    task: str
+    split: str
+    metric: str
+    value: float
+    n: int
+    eval_batch_id: str
+    created_at: datetime = field(default_factory=now)
+    schema_version: int = SCHEMA_VERSION
+
+
+R = TypeVar("R", Rollout, RewardRow, EvalRow)
+_RECORDS: dict[type, pa.Schema] = {Rollout: ROLLOUTS, RewardRow: REWARDS, EvalRow: EVALS}
+_JSON_COLUMNS = {"metadata", "sampling", "details"}
+
+
+def _encode(name: str, value: Any) -> Any:
+    if name in _JSON_COLUMNS:
+        return None if value is None else json.dumps(value, sort_keys=True)
+    if name == "messages":
+        return [asdict(m) for m in value]
+    return value
+
+
+def _decode(cls: type, name: str, value: Any) -> Any:
+    if name in _JSON_COLUMNS:
+        return None if value is None else json.loads(value)
+    if name == "messages":
+        return [
+            Message(**{**m, "tool_calls": [ToolCall(**c) for c in (m["tool_calls"] or [])]}) for m in value
+        ]
+    return value
+
+
+def to_table(records: list[R], cls: type[R] | None = None) -> pa.Table:
+    """Records -> Arrow table with the exact schema of their Parquet table."""
+    cls = cls or type(records[0])
+    schema = _RECORDS[cls]
+    columns = {f.name: [_encode(f.name, getattr(r, f.name)) for r in records] for f in fields(cls)}
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def from_table(table: pa.Table, cls: type[R]) -> list[R]:
+    """Arrow table (from Parquet or DuckDB) -> records. Extra columns are ignored."""
+    names = [f.name for f in fields(cls)]
+    rows = table.select(names).to_pylist()
+    return [cls(**{n: _decode(cls, n, row[n]) for n in names}) for row in rows]

@@ -1,0 +1,101 @@
+"""What a task is: prompts (dataset), system prompt, tools, turn limit, ground truth.
+
+A task is a plain `Task` value built by a module-level `make_task(**params)`.
+Built-in tasks are named by their module (`arithmetic`, `doc_search`); a
+user-defined task is any importable module path with the same function
+(`task: {name: mypkg.mytask, params: {...}}` in a config).
+
+Tool calls follow the format the system prompt teaches the model:
+
+    <tool_call>{"name": "search", "arguments": {"query": "..."}}</tool_call>
+
+An assistant turn with no tool call is the final answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from storage.schema import ToolCall
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG = "<tool_call>"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance. `prompt_id` is stable: the same prompt has the same id in every run."""
+
+    prompt_id: str
+    question: str  # the user message
+    metadata: dict[str, Any]  # ground truth and task fields, stored in rollouts.metadata
+
+
+@dataclass
+class Task:
+    name: str
+    system_prompt: str
+    prompts: Callable[[str], list[Prompt]]  # split ("train" | "test") -> prompts, in a stable order
+    tools: dict[str, Callable[..., str]] = field(default_factory=dict)  # name -> fn(**arguments) -> text
+    tool_specs: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function schemas
+    max_turns: int = 1  # assistant turns per episode
+
+    def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
+        """The opening messages of an episode: system (with tool instructions) + user."""
+        return [
+            {"role": "system", "content": render_system_prompt(self.system_prompt, self.tool_specs)},
+            {"role": "user", "content": prompt.question},
+        ]
+
+
+def render_system_prompt(system_prompt: str, tool_specs: list[dict[str, Any]]) -> str:
+    """The system prompt plus the tool list and call format (small chat templates have no tool support)."""
+    if not tool_specs:
+        return system_prompt
+    lines = [system_prompt, "", "You can call these tools:"]
+    for spec in tool_specs:
+        fn = spec["function"]
+        params = ", ".join(fn.get("parameters", {}).get("properties", {}))
+        lines.append(f"- {fn['name']}({params}): {fn.get('description', '')}")
+    lines += [
+        "",
+        'To call a tool, reply with <tool_call>{"name": "TOOL", "arguments": {...}}</tool_call> and nothing else.',
+        "When you know the answer, reply with the answer only.",
+    ]
+    return "\n".join(lines)
+
+
+def parse_tool_calls(text: str, turn: int) -> list[ToolCall]:
+    """Tool calls in an assistant message. The arguments are kept as written (possibly malformed JSON);
+    `call_tool` reports what is wrong with them. An unclosed `<tool_call>` counts as one malformed call."""
+    bodies = TOOL_CALL_RE.findall(text)
+    if not bodies and OPEN_TAG in text:
+        bodies = [text.split(OPEN_TAG, 1)[1]]
+    calls = []
+    for i, body in enumerate(bodies):
+        name, arguments = "", body.strip()
+        try:
+            obj = json.loads(body)
+            if isinstance(obj, dict):
+                name = str(obj.get("name", ""))
+                arguments = json.dumps(obj.get("arguments", {}))
+        except json.JSONDecodeError:
+            pass
+        calls.append(ToolCall(id=f"call_{turn}_{i}", name=name, arguments=arguments))
+    return calls
+
+
+def load_task(name: str, params: dict[str, Any] | None = None) -> Task:
+    """Build a task by built-in name (`arithmetic`, `doc_search`) or importable module path."""
+    module_name = f"tasks.{name}" if "." not in name else name
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"unknown task {name!r}: no module {module_name!r} ({e})") from e
+    if not hasattr(module, "make_task"):
+        raise ValueError(f"task module {module_name!r} has no make_task(**params) function")
+    return module.make_task(**(params or {}))
