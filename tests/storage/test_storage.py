@@ -1,0 +1,94 @@
+"""Schemas, Parquet writer, catalog and views, with real Parquet files and a real DuckDB."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from storage.ids import artifact_id
+from storage.schema import ROLLOUTS, Rollout, from_table, to_table
+from storage.sql import Sandbox
+from tests.factories import tool_episode
+from tests.storage.conftest import add_batch
+
+
+def test_multi_turn_rollout_round_trips_through_parquet_and_duckdb(ws):
+    original = add_batch(ws, "ro-a", groups=1, size=2)
+    table = ws.query("SELECT * FROM rollouts ORDER BY rollout_id")
+    back = from_table(table, Rollout)
+    assert [r.rollout_id for r in back] == sorted(r.rollout_id for r in original)
+    by_id = {r.rollout_id: r for r in original}
+    for r in back:
+        o = by_id[r.rollout_id]
+        assert r.messages == o.messages  # roles, contents, tool calls with ids/arguments, tool_call_id, name
+        assert r.messages[2].tool_calls[0].name == "search"
+        assert r.messages[3].tool_call_id == "call_0_0"
+        assert r.token_ids == o.token_ids and r.loss_mask == o.loss_mask
+        assert r.behavior_logprobs == pytest.approx(o.behavior_logprobs, abs=1e-6)  # stored as float32
+        assert r.metadata == o.metadata and r.sampling == o.sampling
+        assert r.created_at == o.created_at
+    files = ws.catalog.artifact_files("ro-a")
+    assert pq.read_schema(files[0]["path"]).equals(ROLLOUTS, check_metadata=False)
+
+
+def test_join_rollouts_and_rewards_just_works(ws):
+    add_batch(ws, "ro-a")
+    add_batch(ws, "ro-b", reward_version="v2")
+    t = ws.query("SELECT batch_id, reward_version, avg(value) AS mean, count(*) AS n "
+                 "FROM rollouts JOIN rewards USING (rollout_id, batch_id) GROUP BY ALL ORDER BY batch_id")
+    assert t.to_pylist() == [
+        {"batch_id": "ro-a", "reward_version": "v1", "mean": 0.5, "n": 8},
+        {"batch_id": "ro-b", "reward_version": "v2", "mean": 0.5, "n": 8},
+    ]
+
+
+def test_incomplete_artifact_is_invisible_until_completed(ws):
+    add_batch(ws, "ro-a")
+    ws.write_part("rollouts", "ro-half", to_table([tool_episode("ro-half", 0, 0)]), part="group-00000")
+    assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 8}]
+    assert ws.catalog.get_artifact("ro-half") is None
+    ws.catalog.complete_artifact("ro-half", "rollouts", "rollout", [], "cfg")
+    assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 9}]
+    assert ws.catalog.get_artifact("ro-half")["rows"] == 1
+
+
+def test_rewriting_a_part_replaces_it_whole(ws):
+    ws.write_part("rollouts", "ro-x", to_table([tool_episode("ro-x", 0, 0)]), part="group-00000")
+    ws.write_part("rollouts", "ro-x", to_table([tool_episode("ro-x", 0, 1)]), part="group-00000")
+    assert len(ws.catalog.artifact_files("ro-x")) == 1
+    assert ws.read_artifact("ro-x").num_rows == 1
+
+
+def test_corrupt_parquet_file_is_named_and_other_batches_stay_queryable(ws, capsys):
+    add_batch(ws, "ro-good")
+    add_batch(ws, "ro-bad")
+    bad = ws.catalog.artifact_files("ro-bad")[0]["path"]
+    with open(bad, "r+b") as f:  # clobber the footer
+        f.seek(-64, 2)
+        f.write(b"\0" * 64)
+    sandbox = Sandbox(ws.settings)
+    assert [p for p, _ in sandbox.skipped] == [bad]
+    sandbox.warn_skipped()
+    assert bad in capsys.readouterr().err
+    rows = sandbox.query("SELECT batch_id, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1").to_pylist()
+    assert rows == [{"batch_id": "ro-bad", "n": 4}, {"batch_id": "ro-good", "n": 8}]  # the bad batch's other group survives
+
+
+def test_artifact_ids_are_deterministic_and_input_sensitive():
+    a = artifact_id("rollout", ["ck-1"], {"n": 4, "g": 8})
+    assert a == artifact_id("rollout", ["ck-1"], {"g": 8, "n": 4}) and a.startswith("ro-")
+    assert a != artifact_id("rollout", ["ck-2"], {"n": 4, "g": 8})
+    assert a != artifact_id("rollout", ["ck-1"], {"n": 4, "g": 8}, version="2")
+
+
+def test_checkpoints_stage_runs_and_runs_round_trip(ws):
+    ws.catalog.add_checkpoint({"policy_id": "ck-1", "parent_id": "base", "base_model": "m", "kind": "grpo",
+                               "adapter_uri": "/x", "step": 1, "trained_on": {"batches": ["ro-a"]}, "config_hash": "h"})
+    ws.catalog.record_stage_run({"stage": "grpo", "artifact_id": "ck-1", "inputs": ["ro-a"], "status": "complete"})
+    ws.catalog.upsert_run("nightly", {"a": 1}, "mlf-1", "running")
+    ws.catalog.upsert_run("nightly", {"a": 1}, "mlf-1", "complete")
+    assert ws.catalog.get_checkpoint("ck-1")["trained_on"] == {"batches": ["ro-a"]}
+    assert [r["status"] for r in ws.catalog.runs()] == ["complete"]
+    assert ws.query("SELECT policy_id, stage FROM checkpoints JOIN stage_runs ON policy_id = artifact_id").to_pylist() == [
+        {"policy_id": "ck-1", "stage": "grpo"}
+    ]

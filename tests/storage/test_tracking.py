@@ -1,0 +1,30 @@
+"""MLflow parent/child runs with tags, read back through mlflow.search_runs (SQLite backend)."""
+
+from __future__ import annotations
+
+import mlflow
+
+
+def test_parent_and_child_runs_with_tags(ws):
+    tracker = ws.tracker
+    parent = tracker.start_run("pipeline-nightly", tags={"rlops.run_name": "nightly"}, params={"grpo": {"lr": 1e-4}})
+    with tracker.stage_run("rollout", parent, "ro-123", params={"n": 4}) as child:
+        tracker.log_metrics(child, {"reward_mean": 0.25, "bad": float("nan")}, step=0)
+    try:
+        with tracker.stage_run("score", parent, "rw-456"):
+            raise RuntimeError("judge down")
+    except RuntimeError:
+        pass
+    tracker.end_run(parent)
+
+    mlflow.set_tracking_uri(ws.settings.mlflow_uri)
+    runs = mlflow.search_runs(experiment_ids=[tracker.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    by_stage = {r["tags.rlops.stage"]: r for _, r in runs.iterrows()}
+    assert set(by_stage) == {"rollout", "score"}
+    assert by_stage["rollout"]["tags.rlops.artifact_id"] == "ro-123"
+    assert by_stage["rollout"]["metrics.reward_mean"] == 0.25
+    assert by_stage["rollout"]["params.n"] == "4"
+    assert by_stage["rollout"]["status"] == "FINISHED" and by_stage["score"]["status"] == "FAILED"
+    top = mlflow.get_run(parent)
+    assert top.data.params["grpo.lr"] == "0.0001" and top.data.tags["rlops.run_name"] == "nightly"
+    assert ws.settings.mlflow_uri.startswith("sqlite:///") and (ws.root / "mlflow.db").exists()
