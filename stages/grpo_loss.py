@@ -1,0 +1,154 @@
+"""The GRPO objective: group advantages, clipped surrogate, k3 KL, loss aggregation.
+
+Pure tensor functions (no I/O, no model code), so every option can be checked
+against hand-computed numbers. Shapes: N rollouts, B sequences, T tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Scale = Literal["group", "batch", "none"]
+Baseline = Literal["mean", "rloo"]
+Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
+
+
+def _group_index(group_ids: Tensor | Sequence[Hashable]) -> Tensor:
+    """Map arbitrary group ids (ints, strings) to 0..G-1, in order of first appearance."""
+    ids = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
+    first: dict[Hashable, int] = {}
+    return torch.tensor([first.setdefault(g, len(first)) for g in ids], dtype=torch.long)
+
+
+def _group_sum(x: Tensor, index: Tensor) -> Tensor:  # (N,) -> (G,)
+    return torch.zeros(int(index.max()) + 1, dtype=x.dtype, device=x.device).index_add_(0, index, x)
+
+
+# Baselines subtracted from each reward; each takes (rewards (N,), group index (N,)) -> (N,).
+def _mean_baseline(r: Tensor, g: Tensor) -> Tensor:
+    # GRPO, https://arxiv.org/abs/2402.03300 (DeepSeekMath, sec. 4.1.2)
+    return (_group_sum(r, g) / _group_sum(torch.ones_like(r), g))[g]
+
+
+def _rloo_baseline(r: Tensor, g: Tensor) -> Tensor:
+    # RLOO, https://arxiv.org/abs/2402.14740: mean of the OTHER members; a singleton group gets advantage 0.
+    others = _group_sum(torch.ones_like(r), g)[g] - 1
+    return torch.where(others > 0, (_group_sum(r, g)[g] - r) / others.clamp(min=1), r)
+
+
+BASELINES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"mean": _mean_baseline, "rloo": _rloo_baseline}
+
+
+def _group_std(r: Tensor, g: Tensor) -> Tensor:  # (N,): population std of each member's group
+    return _mean_baseline((r - _mean_baseline(r, g)) ** 2, g).sqrt()
+
+
+# Divisors of the centred reward (population std, unbiased=False); each takes (rewards, group index, eps) -> (N,).
+SCALES: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
+    # GRPO: per-group std, https://arxiv.org/abs/2402.03300
+    "group": lambda r, g, eps: _group_std(r, g) + eps,
+    # batch std, https://arxiv.org/abs/2508.08221 ("Tricks or Traps", group mean + batch std)
+    "batch": lambda r, g, eps: (r.std(unbiased=False) + eps).expand_as(r),
+    # Dr. GRPO drops the std (it biases toward too-easy/too-hard prompts), https://arxiv.org/abs/2503.20783
+    "none": lambda r, g, eps: torch.ones_like(r),
+}
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor | Sequence[Hashable],
+    scale: Scale = "group",
+    baseline: Baseline = "mean",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Advantage of each rollout (N,): (reward - group baseline) / scale, where scale is
+    the group's or the batch's population std (+ eps), or 1 for "none" (Dr. GRPO)."""
+    rewards = rewards.float()
+    g = _group_index(group_ids).to(rewards.device)
+    return (rewards - BASELINES[baseline](rewards, g)) / SCALES[scale](rewards, g, eps)
+
+
+def zero_variance_groups(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> Tensor:
+    """Bool (N,): True for members of groups whose rewards all agree (incl. singletons): no signal."""
+    g = _group_index(group_ids).to(rewards.device)
+    empty = torch.zeros(int(g.max()) + 1, dtype=rewards.dtype, device=rewards.device)
+    hi = empty.scatter_reduce(0, g, rewards, "amax", include_self=False)
+    lo = empty.scatter_reduce(0, g, rewards, "amin", include_self=False)
+    return (hi == lo)[g]
+
+
+# Aggregations of the per-token loss x (B, T), already zero at masked positions.
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int], Tensor]] = {
+    # DAPO token-level mean over all tokens of the batch, https://arxiv.org/abs/2503.14476
+    "token_mean": lambda x, m, max_tokens: x.sum() / m.sum().clamp(min=1),
+    # original GRPO: mean over sequences of each sequence's token mean, https://arxiv.org/abs/2402.03300
+    "seq_mean": lambda x, m, max_tokens: (x.sum(-1) / m.sum(-1).clamp(min=1)).mean(),
+    # Dr. GRPO: a constant normaliser B * max_tokens, no length bias, https://arxiv.org/abs/2503.20783
+    "dr_grpo": lambda x, m, max_tokens: x.sum() / (x.shape[0] * max_tokens),
+}
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0.
+    Schulman, http://joschu.net/blog/kl-approx.html"""
+    log_ratio = ref_logp - logp
+    return log_ratio.exp() - log_ratio - 1
+
+
+def policy_loss(
+    logp: Tensor,
+    behavior_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    ratio_cap: float | None = None,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    aggregation: Aggregation = "token_mean",
+    max_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped GRPO surrogate (PPO clip, https://arxiv.org/abs/1707.06347) plus beta * k3 KL.
+
+    logp, behavior_logp, ref_logp, mask: (B, T); advantages: (B,). eps_high > eps_low is
+    DAPO's clip-higher. ratio_cap truncates the ratio from above; with ratio_cap > 1 + eps_high
+    that is dual-clip (https://arxiv.org/abs/1912.09729): a negative-advantage token's loss is
+    bounded by ratio_cap * |A| and stops pushing. max_tokens is dr_grpo's constant normaliser
+    (the generation budget; defaults to T). Masked positions never contribute, whatever they
+    hold (inf/NaN included). Returns (scalar loss, stats as python floats).
+    """
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp")
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    # torch.where, not "* mask": 0 * inf = NaN, in the forward and in the gradient.
+    logp = torch.where(mask, logp, zero)
+    behavior_logp = torch.where(mask, behavior_logp.to(logp.dtype), zero)
+    adv = advantages.to(logp.dtype)[:, None]  # (B, 1)
+
+    ratio = (logp - behavior_logp).exp()  # (B, T)
+    if ratio_cap is not None:
+        ratio = ratio.clamp(max=ratio_cap)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    kl = k3_kl(logp, torch.where(mask, ref_logp.to(logp.dtype), zero)) if ref_logp is not None else None
+    if kl is not None and beta > 0:
+        per_token = per_token + beta * kl
+    per_token = torch.where(mask, per_token, zero)
+    loss = AGGREGATIONS[aggregation](per_token, mask, max_tokens or mask.shape[1])
+
+    n = mask.sum().clamp(min=1)
+    with torch.no_grad():
+        stats = {
+            # tokens whose gradient the clip removed, on each side
+            "clip_frac_low": float(((ratio < 1 - eps_low) & (adv < 0) & mask).sum() / n),
+            "clip_frac_high": float(((ratio > 1 + eps_high) & (adv > 0) & mask).sum() / n),
+            "ratio_mean": float(torch.where(mask, ratio, zero).sum() / n),
+            "kl_mean": float(torch.where(mask, kl, zero).sum() / n) if kl is not None else 0.0,
+            "num_tokens": float(mask.sum()),
+        }
+    return loss, stats

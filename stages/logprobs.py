@@ -1,0 +1,97 @@
+"""Per-token log-probs of a causal LM, computed only where they are needed.
+
+The output layer is a large share of the work and memory (49k vocab for SmolLM2):
+run the decoder body once, then apply the LM head only to the hidden rows whose
+next token we score, a chunk of rows at a time, with logsumexp. A full (B, T, V)
+float32 tensor is never built (TRL's CPU fallback builds it plus softmax copies).
+
+Assumes logits = lm_head(last_hidden_state), true for Llama/Qwen/SmolLM; models that
+post-process logits (Gemma 2 soft-capping, Cohere logit_scale) would need that here too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers *ForCausalLM inside a peft PeftModel (LoRA layers stay active), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _position_ids(attention_mask: Tensor) -> Tensor:  # (B, T)
+    # Count only real tokens, as generate() does, so a left-padded row scores like the unpadded one.
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _scored_positions(attention_mask: Tensor, positions_mask: Tensor | None) -> Tensor:  # (B, T) bool
+    # Position t is scored from the hidden state at t-1: both must be real tokens, and t >= 1.
+    real = attention_mask.bool()
+    want = real if positions_mask is None else positions_mask.bool() & real
+    want = want.clone()
+    want[:, 1:] &= real[:, :-1]
+    want[:, 0] = False
+    return want
+
+
+def _chunk_logprobs(lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    logits = lm_head(hidden).float() / temperature  # (n, V), one chunk only
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # (n,)
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    positions_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+) -> Tensor:
+    """log p(input_ids[:, t] | input_ids[:, :t]) under logits / temperature, as a float32 (B, T)
+    tensor aligned with input_ids; 0 at t = 0, at padding and wherever positions_mask is False
+    (e.g. pass the rollout loss_mask to score only sampled tokens).
+
+    Works on a transformers causal LM or a peft-wrapped one (gradients reach the LoRA
+    weights). With gradients enabled each chunk is recomputed in backward
+    (activation checkpointing), so only (chunk_size, V) logits are alive at a time.
+    """
+    lm = _causal_lm(model)
+    want = _scored_positions(attention_mask, positions_mask)  # (B, T)
+    hidden = lm.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=_position_ids(attention_mask),
+        use_cache=False,
+    ).last_hidden_state  # (B, T, H)
+    rows = hidden[:, :-1][want[:, 1:]]  # (N, H): the state before each scored token
+    targets = input_ids[:, 1:][want[:, 1:]]  # (N,)
+    lm_head = lm.get_output_embeddings()
+    chunks = []
+    for start in range(0, rows.shape[0], chunk_size):
+        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature)
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            chunks.append(_chunk_logprobs(*args))
+    scored = torch.cat(chunks) if chunks else rows.new_zeros(0, dtype=torch.float32)  # (N,)
+    out = torch.zeros(want.shape[0], want.shape[1] - 1, dtype=torch.float32, device=rows.device)
+    return F.pad(out.masked_scatter(want[:, 1:], scored), (1, 0))  # (B, T)
+
+
+def sequence_logprobs_reference(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """Naive full-softmax version of token_logprobs (positions_mask=None), for tests only:
+    builds the whole (B, T, V) float32 log-softmax."""
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=_position_ids(attention_mask),
+        use_cache=False,
+    ).logits.float() / temperature  # (B, T, V)
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    want = _scored_positions(attention_mask, None)
+    return torch.where(want, F.pad(logp, (1, 0)), 0.0)  # (B, T)
