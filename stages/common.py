@@ -1,0 +1,101 @@
+"""What every stage shares: the artifact reference, the run context, and `run_stage`, which
+turns a stage body into a cached, recorded, tracked execution.
+
+    ref = run_stage(ctx, "score", kind="rewards", inputs=[batch_id], config=cfg, version=v, body=body)
+
+`run_stage` computes the deterministic artifact id; if the catalog already holds a complete
+artifact with that id it returns it without running anything (a "cached" stage run). Otherwise
+it opens an MLflow child run, calls `body(artifact_id, mlflow_run_id)` — which writes and
+registers the artifact's files and returns metrics — then marks the artifact complete, logs
+the metrics and records the stage run. A body that raises leaves the artifact incomplete
+(invisible), records the failure with its reason, and re-raises.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from storage.ids import artifact_id as make_id
+from storage.ids import config_hash
+from storage.schema import now
+from storage.workspace import Workspace
+
+CODE_VERSION = "1"  # bump when a stage's output for the same inputs and config changes
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    id: str
+    kind: str  # rollouts | rewards | evals | checkpoint
+    cached: bool = False  # True when it existed and nothing was computed
+
+
+@dataclass
+class StageContext:
+    """Where a stage runs: the workspace and the pipeline run it belongs to (if any)."""
+
+    ws: Workspace
+    run_name: str | None = None
+    parent_run_id: str | None = None  # MLflow parent run (the pipeline run)
+    prefect_flow_run_id: str | None = None
+    force: bool = False  # recompute even if a complete artifact exists
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def run_stage(
+    ctx: StageContext,
+    stage: str,
+    kind: str,
+    inputs: list[str],
+    config: dict[str, Any],
+    body: Callable[[str, str], dict[str, float]],
+    version: str = "",
+    meta: dict[str, Any] | None = None,
+) -> ArtifactRef:
+    """Run `body` once per (stage, inputs, config, version); see the module docstring."""
+    aid = make_id(stage, inputs, config, f"{CODE_VERSION}:{version}")
+    chash = config_hash(config)
+    record = {"stage": stage, "artifact_id": aid, "inputs": inputs, "config_hash": chash,
+              "prefect_flow_run_id": ctx.prefect_flow_run_id, "run_name": ctx.run_name}
+    if not ctx.force and ctx.ws.catalog.get_artifact(aid) is not None:
+        ctx.ws.catalog.record_stage_run({**record, "status": "cached", "started_at": now(), "finished_at": now()})
+        return ArtifactRef(aid, kind, cached=True)
+
+    started = now()
+    tracker = ctx.ws.tracker
+    run_id = tracker.start_run(stage, ctx.parent_run_id, tags={"rlops.stage": stage, "rlops.artifact_id": aid, **ctx.tags},
+                               params={"inputs": ",".join(inputs), **config})
+    try:
+        metrics = body(aid, run_id) or {}
+    except BaseException as e:
+        tracker.end_run(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
+        ctx.ws.catalog.record_stage_run({**record, "status": "failed", "started_at": started, "finished_at": now(),
+                                         "error": "".join(traceback.format_exception_only(e)).strip()[:2000],
+                                         "mlflow_run_id": run_id})
+        raise
+    ctx.ws.catalog.complete_artifact(aid, kind, stage, inputs, chash, meta={**(meta or {}), "metrics": metrics})
+    tracker.log_metrics(run_id, metrics)
+    tracker.end_run(run_id)
+    ctx.ws.catalog.record_stage_run({**record, "status": "complete", "started_at": started, "finished_at": now(),
+                                     "mlflow_run_id": run_id})
+    return ArtifactRef(aid, kind)
+
+
+def base_policy(ws: Workspace, base_model: str) -> str:
+    """The policy id of a base model without adapter, registered in the catalog on first use."""
+    pid = make_id("base", [], {"base_model": base_model})
+    if ws.catalog.get_checkpoint(pid) is None:
+        ws.catalog.add_checkpoint({"policy_id": pid, "parent_id": None, "base_model": base_model, "kind": "base",
+                                   "adapter_uri": None, "step": 0, "trained_on": {}, "config_hash": None})
+        ws.catalog.complete_artifact(pid, "checkpoint", "base", [], config_hash({"base_model": base_model}))
+    return pid
+
+
+def resolve_policy(ws: Workspace, policy_id: str) -> tuple[str, str | None]:
+    """policy_id -> (base model reference, adapter folder or None)."""
+    row = ws.catalog.get_checkpoint(policy_id)
+    if row is None:
+        raise KeyError(f"unknown policy {policy_id!r}: not in the catalog (see `rlops ls checkpoints`)")
+    return row["base_model"], row["adapter_uri"]
