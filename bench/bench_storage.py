@@ -77,6 +77,7 @@ def rollout_batch(batch_id: str, n: int, rng: np.random.Generator) -> pa.Table:
         "prompt_id": pa.array([f"q{i // 8 % 120}" for i in range(n)]), "group_id": pa.array(groups),
         "sample_idx": pa.array((np.arange(n) % 8).astype(np.int32)), "messages": _messages(n),
         "token_ids": _lists(lengths, rng.integers(0, 49152, total, dtype=np.int32), pa.int32()),
+        "num_tokens": pa.array(lengths.astype(np.int32)),
         "loss_mask": _lists(lengths, mask, pa.int8()), "behavior_logprobs": _lists(lengths, logprobs, pa.float32()),
         "num_turns": pa.array(np.full(n, 3, dtype=np.int32)), "num_tool_calls": pa.array(np.full(n, 2, dtype=np.int32)),
         "finish_reason": pa.array(["answer"] * n), "truncated": pa.array(np.zeros(n, dtype=bool)),
@@ -109,7 +110,9 @@ QUERIES = {
         SELECT group_id, stddev_pop(value) AS std FROM rollouts JOIN rewards USING (rollout_id)
         WHERE reward_version = 'v1' GROUP BY group_id ORDER BY std DESC, group_id LIMIT 20""",
     "top-10 longest episodes": """
-        SELECT rollout_id, len(token_ids) AS tokens, num_turns FROM rollouts ORDER BY tokens DESC LIMIT 10""",
+        SELECT rollout_id, num_tokens, num_turns FROM rollouts ORDER BY num_tokens DESC LIMIT 10""",
+    "top-10 longest episodes, decoding token lists (for comparison)": """
+        SELECT rollout_id, len(token_ids) AS tokens FROM rollouts ORDER BY tokens DESC LIMIT 10""",
     "reward disagrees across versions": """
         SELECT count(*) AS n FROM rewards a JOIN rewards b USING (rollout_id)
         WHERE a.reward_version = 'v1' AND b.reward_version = 'v2' AND a.value IS DISTINCT FROM b.value""",

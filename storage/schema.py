@@ -41,6 +41,7 @@ ROLLOUTS = pa.schema(
         ("sample_idx", pa.int32()),
         ("messages", pa.list_(MESSAGE)),
         ("token_ids", pa.list_(pa.int32())),
+        ("num_tokens", pa.int32()),  # len(token_ids): length audits without decoding the token lists
         ("loss_mask", pa.list_(pa.int8())),  # 1 = token sampled from the policy
         ("behavior_logprobs", pa.list_(pa.float32())),  # aligned with token_ids; 0 where mask is 0
         ("num_turns", pa.int32()),
@@ -151,6 +152,10 @@ class Rollout:
     gen_seconds: float
     created_at: datetime = field(default_factory=now)
     schema_version: int = SCHEMA_VERSION
+    num_tokens: int = 0  # derived: always len(token_ids)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.token_ids)
 
 
 @dataclass
