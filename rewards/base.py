@@ -1,0 +1,347 @@
+"""The reward protocol: plain functions, declared ranges, source-hash versions, and `compute`.
+
+A reward is a function over one `Rollout` (or, for rankers, over one group `list[Rollout]`)
+that returns a float or `(float, details_dict)`:
+
+    @reward(low=0.0, high=1.0)
+    def exact_match(rollout: Rollout, key: str = "answer") -> float: ...
+
+    @group_reward(low=0.0, high=1.0)
+    def my_ranker(group: list[Rollout]) -> list[float]: ...   # one value per rollout, same order
+
+A `RewardSpec` names the function by import path (`rewards.builtin.exact_match`) or by file
+(`my_rewards.py:my_fn`) and gives its params and weight. The version of a reward is a short hash
+of its source code (plus the sources/texts it declares in `uses=`) and its params, so editing the
+reward or its params changes the version and nothing else does.
+
+`compute` never raises because of what a reward does on a rollout: exceptions, NaN/inf,
+non-numbers and out-of-range values become an `Outcome` with value None and the reason in
+`error`. A spec that cannot be loaded at all (bad path, undecorated function, params the
+function does not take) is a config error and raises `ValueError` up front.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import linecache
+import math
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from storage.schema import Rollout
+
+F = TypeVar("F", bound=Callable[..., Any])
+MAX_ERROR_CHARS = 500  # an error is a short reason in a Parquet cell, not a log
+
+
+@dataclass(frozen=True)
+class RewardInfo:
+    """What the decorator declares about a reward function."""
+
+    kind: Literal["rollout", "group"]
+    low: float
+    high: float
+    uses: tuple[Callable[..., Any] | str, ...] = ()  # helpers/texts whose edits must change the version
+    unversioned: tuple[str, ...] = ()  # operational params (timeouts, cache dirs) that cannot change values
+    tokens: bool = False  # reads token_ids/loss_mask/behavior_logprobs (the score stage loads them only then)
+
+
+def _declare(
+    kind: Literal["rollout", "group"], low: float, high: float, uses: Sequence[Any], unversioned: Sequence[str],
+    tokens: bool = False,
+) -> Callable[[F], F]:
+    if not low <= high:
+        raise ValueError(f"reward range is empty: low={low} > high={high}")
+
+    def mark(fn: F) -> F:
+        # The function itself is returned (not a wrapper), so it stays a plain, callable, testable function.
+        fn.__reward__ = RewardInfo(kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def reward(
+    low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False
+) -> Callable[[F], F]:
+    """Declare `fn(rollout, **params) -> float | (float, dict)` a reward with values in [low, high].
+
+    `uses`: helper functions (their source is hashed) or constant strings (hashed as text) the reward
+    depends on, so editing them changes its version. `unversioned`: param names that do not affect
+    values (timeouts, cache dirs) and so stay out of the version. `tokens`: the reward reads the token
+    lists (token_ids, loss_mask, behavior_logprobs); rescoring loads them only for such rewards, since
+    turning ~300 token ids per rollout into Python objects would dominate its cost.
+    """
+    return _declare("rollout", low, high, uses, unversioned, tokens)
+
+
+def group_reward(
+    low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False
+) -> Callable[[F], F]:
+    """Declare `fn(group: list[Rollout], **params) -> list[float | (float, dict)]` a group reward (a ranker).
+
+    It gets all rollouts of one `group_id` and returns one value per rollout, in the same order.
+    """
+    return _declare("group", low, high, uses, unversioned, tokens)
+
+
+class RewardSpec(BaseModel):
+    """One reward in a config: which function, with which params, and its weight in the total."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = ""  # column value `reward_name`; defaults to the function's name
+    fn: str  # `pkg.module.function`, `pkg.module:function`, or `path/to/file.py:function`
+    params: dict[str, Any] = {}
+    weight: float = 1.0  # only used by the weighted total
+
+    @model_validator(mode="after")
+    def _default_name(self) -> RewardSpec:
+        if not self.name:
+            self.name = self.fn.replace(":", ".").rsplit(".", 1)[-1]
+        return self
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one reward on one rollout: a value, or None and the reason in `error`."""
+
+    value: float | None
+    details: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def load_fn(path: str) -> Callable[..., Any]:
+    """Import a reward function by `pkg.module.fn`, `pkg.module:fn` or `file.py:fn` (ValueError if it is not one)."""
+    if ":" in path:
+        where, attr = path.rsplit(":", 1)
+    else:
+        where, _, attr = path.rpartition(".")
+    try:
+        if where.endswith(".py"):
+            module = _load_file(Path(where))
+        else:
+            module = importlib.import_module(where)
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError, FileNotFoundError, ValueError) as e:
+        raise ValueError(f"cannot load reward {path!r}: {type(e).__name__}: {e}") from e
+    if not isinstance(getattr(fn, "__reward__", None), RewardInfo):
+        raise ValueError(f"{path!r} is not declared as a reward: decorate it with @reward(...) or @group_reward(...)")
+    return fn
+
+
+def _load_file(path: Path) -> Any:
+    # A user reward file is executed fresh on every load (never a stale module from sys.modules), under a
+    # name unique to its path, and its lines are dropped from linecache so getsource reads the current file.
+    path = path.resolve()
+    name = "rlops_user_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"not a Python file: {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling in the user's module look themselves up here
+    linecache.cache.pop(str(path), None)
+    spec.loader.exec_module(module)
+    return module
+
+
+def info(fn: Callable[..., Any]) -> RewardInfo:
+    """The declaration of a decorated reward function."""
+    return fn.__reward__  # type: ignore[attr-defined]
+
+
+def _bound_params(fn: Callable[..., Any], params: dict[str, Any]) -> dict[str, Any]:
+    # Binding fills in defaults, so `{}` and `{"limit": 512}` (the default) are the same version,
+    # and a param the function does not take is caught here, before any rollout is scored.
+    sig = inspect.signature(fn)
+    try:
+        bound = sig.bind(None, **params)
+    except TypeError as e:
+        raise ValueError(f"params {sorted(params)} do not fit {fn.__name__}{sig}: {e}") from e
+    bound.apply_defaults()
+    out: dict[str, Any] = {}
+    for name, value in list(bound.arguments.items())[1:]:  # [0] is the rollout / group
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            out[name] = value
+    return out
+
+
+def canonical_json(value: Any) -> str:
+    """Strict JSON (no NaN/inf) with sorted keys and no whitespace: equal values give equal text and hashes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def short_hash(value: Any) -> str:
+    """12 hex chars of sha256 over the canonical JSON of `value`."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()[:12]
+
+
+def fn_version(fn: Callable[..., Any], params: dict[str, Any]) -> str:
+    """Version of a decorated reward under `params`: hash of its source, its `uses`, and its versioned params."""
+    decl = info(fn)
+    sources = [inspect.getsource(fn)] + [u if isinstance(u, str) else inspect.getsource(u) for u in decl.uses]
+    versioned = {k: v for k, v in _bound_params(fn, params).items() if k not in decl.unversioned}
+    try:
+        return short_hash({"source": sources, "params": versioned})
+    except TypeError as e:
+        raise ValueError(f"params of {fn.__name__} must be JSON values: {e}") from e
+
+
+def reward_version(spec: RewardSpec) -> str:
+    """The `reward_version` of a spec (ValueError if the spec cannot be loaded)."""
+    return fn_version(load_fn(spec.fn), spec.params)
+
+
+def fill_params(spec: RewardSpec, **context: Any) -> RewardSpec:
+    """A copy of `spec` with each `context` value set where its function takes that param and the spec
+    leaves it unset: how the score stage passes workspace context, e.g. `cache_dir=<workspace>/cache/judge`."""
+    accepted = inspect.signature(load_fn(spec.fn)).parameters
+    extra = {k: v for k, v in context.items() if k in accepted and k not in spec.params}
+    return spec.model_copy(update={"params": {**spec.params, **extra}})
+
+
+def describe_error(e: BaseException) -> str:
+    """`Type: message`, one short line: what a Parquet `error` cell holds (no traceback)."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def check(result: Any, decl: RewardInfo) -> Outcome:
+    """Turn what a reward returned into an Outcome, rejecting non-numbers, NaN/inf and out-of-range values."""
+    details = None
+    if isinstance(result, tuple):
+        if len(result) != 2 or not isinstance(result[1], dict):
+            return Outcome(None, None, f"expected a float or (float, dict), got a tuple of {len(result)}")
+        result, details = result
+        try:
+            canonical_json(details)  # the stage writes details as JSON (DuckDB reads it): find out now, per row
+        except (TypeError, ValueError) as e:
+            return Outcome(None, None, f"details are not JSON-serializable: {describe_error(e)}")
+    # bool is a Number in Python, but a reward returning True is almost always a forgotten float(...)
+    if isinstance(result, bool) or not isinstance(result, numbers.Real):
+        return Outcome(None, details, f"expected a number, got {type(result).__name__}")
+    value = float(result)
+    if not math.isfinite(value):
+        return Outcome(None, details, f"value is not finite: {value}")
+    if not decl.low <= value <= decl.high:
+        return Outcome(None, details, f"value {value} outside the declared range [{decl.low}, {decl.high}]")
+    return Outcome(value, details, None)
+
+
+def _score_group(fn: Callable[..., Any], decl: RewardInfo, group: list[Rollout], params: dict[str, Any]) -> list[Outcome]:
+    try:
+        results = fn(group, **params)
+        results = list(results)
+    except Exception as e:  # failures are data: the whole group gets the reason
+        return [Outcome(None, None, describe_error(e))] * len(group)
+    if len(results) != len(group):
+        return [Outcome(None, None, f"group reward returned {len(results)} values for {len(group)} rollouts")] * len(group)
+    return [check(r, decl) for r in results]
+
+
+def _score_one(fn: Callable[..., Any], decl: RewardInfo, rollout: Rollout, params: dict[str, Any]) -> Outcome:
+    try:
+        return check(fn(rollout, **params), decl)
+    except Exception as e:  # failures are data: one bad rollout does not stop the batch
+        return Outcome(None, None, describe_error(e))
+
+
+def compute(spec: RewardSpec, rollouts: Sequence[Rollout], *, workers: int = 1) -> list[Outcome]:
+    """Score `rollouts` with one reward: one Outcome per rollout, in input order.
+
+    Group rewards are called once per `group_id` (rollouts in input order within the group).
+    `workers` > 1 scores rollouts (or groups) in that many threads, which is what lets a judge
+    keep several requests in flight; rewards must then be thread-safe (the built-ins are).
+    Raises ValueError only if the spec cannot be loaded.
+    """
+    fn = load_fn(spec.fn)
+    decl = info(fn)
+    _bound_params(fn, spec.params)  # config errors raise here, not once per rollout
+    if decl.kind == "rollout":
+        units: list[list[int]] = [[i] for i in range(len(rollouts))]
+    else:
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(rollouts):
+            groups.setdefault(r.group_id, []).append(i)
+        units = list(groups.values())
+
+    def run(unit: list[int]) -> list[Outcome]:
+        if decl.kind == "rollout":
+            return [_score_one(fn, decl, rollouts[unit[0]], spec.params)]
+        return _score_group(fn, decl, [rollouts[i] for i in unit], spec.params)
+
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(run, units))
+    else:
+        results = [run(u) for u in units]
+    out: list[Outcome | None] = [None] * len(rollouts)
+    for unit, outcomes in zip(units, results):
+        for i, o in zip(unit, outcomes):
+            out[i] = o
+    return out  # type: ignore[return-value]  # every index is in exactly one unit
+
+
+def total_version(specs: Sequence[RewardSpec]) -> str:
+    """Version of the weighted total: hash of its components' names, versions and weights."""
+    _check_names(specs)
+    return short_hash([[s.name, reward_version(s), s.weight] for s in specs])
+
+
+def weighted_total(specs: Sequence[RewardSpec], components: Sequence[Sequence[Outcome]]) -> list[Outcome]:
+    """Per rollout, sum(weight * value) over the specs; null (with the reason) if any component is null.
+
+    `components[j]` are the outcomes of `specs[j]`, aligned by rollout. Details hold each component value.
+    """
+    _check_names(specs)
+    if len(components) != len(specs) or len({len(c) for c in components}) > 1:
+        raise ValueError("components must hold one equally long outcome list per spec")
+    out = []
+    for row in zip(*components):
+        parts = {s.name: o.value for s, o in zip(specs, row)}
+        missing = [name for name, v in parts.items() if v is None]
+        if missing:
+            out.append(Outcome(None, {"components": parts}, f"component(s) without a value: {', '.join(missing)}"))
+        else:
+            total = sum(s.weight * o.value for s, o in zip(specs, row))  # type: ignore[operator]
+            out.append(Outcome(total, {"components": parts}, None))
+    return out
+
+
+def _check_names(specs: Sequence[RewardSpec]) -> None:
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward names must be unique, got {names}")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """All outcomes of one named, versioned reward over a batch: what becomes its Parquet rows."""
+
+    name: str
+    version: str
+    outcomes: list[Outcome]
+
+
+def score(specs: Sequence[RewardSpec], rollouts: Sequence[Rollout], *, total: str | None = "total", workers: int = 1) -> list[Scored]:
+    """Every spec over `rollouts`, plus the weighted total under the name `total` (None: no total)."""
+    scored = [Scored(s.name, reward_version(s), compute(s, rollouts, workers=workers)) for s in specs]
+    if total is not None:
+        if total in {s.name for s in specs}:
+            raise ValueError(f"the total's name {total!r} is also a component's name")
+        scored.append(Scored(total, total_version(specs), weighted_total(specs, [s.outcomes for s in scored])))
+    return scored

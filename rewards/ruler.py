@@ -1,0 +1,330 @@
+"""RULER-style judge: an LLM scores a whole group of trajectories against each other (after OpenPipe ART's RULER).
+
+Two layers:
+- `rank(trajectories, rubric, client)`: one judge request per group (per permutation). The
+  messages all trajectories share are sent once as context, then the rest of each trajectory,
+  side by side, labelled "1".."n" in the order shown. The judge answers
+  `{"scores": [{"id": "1", "score": 0.0-1.0, "explanation": "..."}]}`, which is validated
+  (count, ids, range); an invalid answer gets one retry with a correction, then JudgeError.
+  `permutations=k` judges k orders (rotations of a seeded shuffle, so with k = n every trajectory
+  is shown once in every position) and averages per trajectory, to cancel position bias.
+  Validated answers are cached as JSON files keyed by sha256(model, rubric, request, order).
+- `ruler_reward`: a group reward for a `RewardSpec`, keeping explanations in details.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import random
+import re
+import tempfile
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rewards.base import canonical_json, describe_error, group_reward
+from rewards.judge_client import ChatClient, Completion, JudgeError, OpenAIClient, TransformersClient, scrub
+from storage.schema import Rollout
+
+DEFAULT_RUBRIC = """\
+- A trajectory that achieves its goal should always get a significantly higher score than one that does not.
+- A trajectory that achieves its goal more efficiently (fewer unproductive steps, well-formed tool calls) should score higher than one that achieves it less efficiently.
+- If one trajectory is only slightly better than another, the difference in scores should be small; if it is much better, the difference should be large.
+- Give partial credit to a trajectory that makes real progress towards its goal without completing it."""
+
+INSTRUCTIONS = """\
+All of the trajectories below were given the same goal. Consider each of them and give each a score \
+between 0 and 1, using your best judgement of the agent's goal (the context and the trajectories show it).
+
+Grading standards:
+{rubric}
+
+Reply with only a JSON object, one entry per trajectory, using the trajectory ids as given:
+{{"scores": [{{"id": "1", "score": 0.0, "explanation": "one or two sentences"}}, ...]}}"""
+
+CORRECTION = """\
+Your reply could not be used: {reason}
+Reply again with only a JSON object of the form {{"scores": [{{"id": ..., "score": ..., "explanation": ...}}]}} \
+with exactly one entry for each of the ids {ids} and every score between 0 and 1."""
+
+
+@dataclass(frozen=True)
+class JudgeScore:
+    """The judge's verdict on one trajectory: mean score over permutations, and what it said."""
+
+    id: str
+    score: float
+    explanation: str
+    scores: tuple[float, ...] = ()  # one per permutation, in permutation order
+
+
+@dataclass
+class Usage:
+    """What judging cost: requests sent, tokens, and permutations answered from the cache."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cache_hits: int = 0
+
+    def add(self, completions: Sequence[Completion], cached: bool) -> None:
+        self.requests += len(completions)
+        self.prompt_tokens += sum(c.prompt_tokens for c in completions)
+        self.completion_tokens += sum(c.completion_tokens for c in completions)
+        self.cache_hits += int(cached)
+
+
+def common_prefix_len(trajectories: Sequence[list[dict[str, Any]]]) -> int:
+    """How many leading messages all trajectories share, leaving each at least its last message to show."""
+    n = min(len(t) for t in trajectories) - 1
+    for i in range(max(n, 0)):
+        if any(t[i] != trajectories[0][i] for t in trajectories):
+            return i
+    return max(n, 0)
+
+
+def judge_messages(prefix: list[dict[str, Any]], bodies: Sequence[list[dict[str, Any]]], rubric: str) -> list[dict[str, Any]]:
+    """The judge request: instructions + rubric, then the shared context once and the trajectories labelled 1..n."""
+    text = ""
+    if prefix:
+        text += "<context>\n" + json.dumps(prefix, ensure_ascii=False) + "\n</context>\n\n"
+    text += "Trajectories:\n\n" + "\n\n".join(
+        f'<trajectory id="{i}">\n{json.dumps(body, ensure_ascii=False)}\n</trajectory>' for i, body in enumerate(bodies, 1)
+    )
+    return [{"role": "system", "content": INSTRUCTIONS.format(rubric=rubric)}, {"role": "user", "content": text}]
+
+
+def parse_scores(content: str, n: int) -> list[tuple[float, str]]:
+    """(score, explanation) for labels 1..n from a judge reply; ValueError saying what is wrong."""
+    text = re.sub(r"^\s*```(?:json)?\s*|\s*```\s*$", "", content)  # a fenced reply is still the JSON we asked for
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    items = data.get("scores") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        raise ValueError('no "scores" list in the reply')
+    if len(items) != n:
+        raise ValueError(f"expected {n} scores, got {len(items)}")
+    found: dict[str, tuple[float, str]] = {}
+    for item in items:
+        if not isinstance(item, dict) or "id" not in item or "score" not in item:
+            raise ValueError(f"each score needs an id and a score, got {str(item)[:100]}")
+        key, score = str(item["id"]).strip(), item["score"]
+        if key not in {str(i) for i in range(1, n + 1)} or key in found:
+            raise ValueError(f"unknown or repeated id {key!r}; the ids are 1..{n}")
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
+            raise ValueError(f"score of id {key} must be a number in [0, 1], got {score!r}")
+        found[key] = (float(score), str(item.get("explanation", "")))
+    return [found[str(i)] for i in range(1, n + 1)]
+
+
+def orders(n: int, k: int, seed: str) -> list[list[int]]:
+    """k presentation orders of n trajectories: evenly spaced rotations of one seeded shuffle."""
+    base = list(range(n))
+    random.Random(seed).shuffle(base)  # a str seed is hashed with sha512: the same in every process
+    return [base[(j * n) // k :] + base[: (j * n) // k] for j in range(k)]
+
+
+def _cache_file(cache_dir: Path, key: str) -> Path:
+    return cache_dir / key[:2] / f"{key}.json"
+
+
+def _cache_read(path: Path) -> list[tuple[float, str]] | None:
+    try:
+        return [(float(s), str(e)) for s, e in json.loads(path.read_text())["scores"]]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None  # a missing (or hand-damaged) entry is a miss: ask the judge again
+
+
+def _cache_write(path: Path, record: dict[str, Any]) -> None:
+    # tmp + os.replace: a reader (or a crash) never sees half a file; tmp names never end in .json.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, ensure_ascii=False)
+    os.replace(tmp, path)
+
+
+def _judge(
+    client: ChatClient, messages: list[dict[str, Any]], n: int, key: str, cache_dir: Path | None
+) -> tuple[list[tuple[float, str]], list[Completion], bool]:
+    """Scores for one presentation (from the cache, or the judge with one correction retry)."""
+    if cache_dir is not None and (hit := _cache_read(_cache_file(cache_dir, key))) is not None:
+        return hit, [], True
+    first = client.complete(messages)
+    try:
+        scores, completions = parse_scores(first.content, n), [first]
+    except ValueError as e:
+        retry = messages + [
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": CORRECTION.format(reason=e, ids=", ".join(str(i) for i in range(1, n + 1)))},
+        ]
+        second = client.complete(retry)
+        try:
+            scores, completions = parse_scores(second.content, n), [first, second]
+        except ValueError as e2:
+            raise JudgeError(f"judge output invalid after one retry: {e2}") from None
+    if cache_dir is not None:
+        reply = completions[-1].content  # kept for audits: what the judge actually said
+        _cache_write(_cache_file(cache_dir, key), {"model": client.model, "key": key, "scores": scores, "reply": reply})
+    return scores, completions, False
+
+
+def rank(
+    trajectories: Sequence[list[dict[str, Any]]],
+    rubric: str | None,
+    client: ChatClient,
+    *,
+    ids: Sequence[str] | None = None,
+    permutations: int = 1,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+    usage: Usage | None = None,
+) -> list[JudgeScore]:
+    """Score a group of trajectories (OpenAI-style message lists) relative to each other.
+
+    Returns one JudgeScore per trajectory, in input order, with `ids[i]` (default "1".."n") as id.
+    Raises JudgeError if the judge fails or answers invalidly twice for any permutation.
+    `usage`, if given, is increased by what this call cost.
+    """
+    if not trajectories:
+        return []
+    if permutations < 1:
+        raise ValueError(f"permutations must be >= 1, got {permutations}")
+    rubric = rubric or DEFAULT_RUBRIC
+    n = len(trajectories)
+    cut = common_prefix_len(trajectories)
+    prefix, bodies = list(trajectories[0][:cut]), [list(t[cut:]) for t in trajectories]
+    group_key = hashlib.sha256(canonical_json([prefix, bodies]).encode()).hexdigest()
+    cache = Path(cache_dir) if cache_dir is not None else None
+
+    def one(order: list[int]) -> tuple[list[tuple[float, str]], list[Completion], bool]:
+        messages = judge_messages(prefix, [bodies[i] for i in order], rubric)
+        key_fields = {"model": client.model, "rubric": rubric, "messages": messages, "order": order}
+        key = hashlib.sha256(canonical_json(key_fields).encode()).hexdigest()
+        return _judge(client, messages, n, key, cache)
+
+    plan = orders(n, permutations, f"{seed}:{group_key}")
+    if permutations > 1:
+        with ThreadPoolExecutor(max_workers=permutations) as pool:  # the client's semaphore caps requests in flight
+            results = list(pool.map(one, plan))
+    else:
+        results = [one(plan[0])]
+
+    per_traj: list[list[tuple[float, str]]] = [[] for _ in range(n)]
+    for order, (scores, completions, cached) in zip(plan, results):
+        if usage is not None:
+            usage.add(completions, cached)
+        for position, traj in enumerate(order):
+            per_traj[traj].append(scores[position])
+    labels = list(ids) if ids is not None else [str(i) for i in range(1, n + 1)]
+    return [
+        JudgeScore(
+            id=labels[i],
+            score=sum(s for s, _ in got) / len(got),
+            explanation=" | ".join(e for _, e in got),
+            scores=tuple(s for s, _ in got),
+        )
+        for i, got in enumerate(per_traj)
+    ]
+
+
+_clients_lock = threading.Lock()
+
+
+def make_client(
+    backend: str,
+    model: str,
+    base_url: str | None,
+    api_key_env: str | None,
+    timeout: float,
+    max_retries: int,
+    concurrency: int,
+    backoff: float,
+    max_tokens: int | None,
+) -> ChatClient:
+    """One shared client per judge config, so its semaphore caps requests across all groups being scored
+    and a local model is loaded once (the lock stops threads scoring their first groups from each building one)."""
+    with _clients_lock:
+        return _make_client(backend, model, base_url, api_key_env, timeout, max_retries, concurrency, backoff, max_tokens)
+
+
+@functools.lru_cache(maxsize=16)
+def _make_client(
+    backend: str,
+    model: str,
+    base_url: str | None,
+    api_key_env: str | None,
+    timeout: float,
+    max_retries: int,
+    concurrency: int,
+    backoff: float,
+    max_tokens: int | None,
+) -> ChatClient:
+    if backend == "openai":
+        if not base_url:
+            raise ValueError("the openai judge backend needs base_url (e.g. http://localhost:8000/v1)")
+        return OpenAIClient(base_url, model, api_key_env, timeout, max_retries, concurrency, backoff, max_tokens=max_tokens)
+    if backend == "transformers":
+        return TransformersClient(model, max_new_tokens=max_tokens or 1024)
+    raise ValueError(f"judge backend must be openai or transformers, got {backend!r}")
+
+
+@group_reward(
+    low=0.0,
+    high=1.0,
+    uses=(rank, judge_messages, parse_scores, orders, common_prefix_len, _judge, DEFAULT_RUBRIC, INSTRUCTIONS, CORRECTION),
+    unversioned=("timeout", "max_retries", "concurrency", "backoff", "cache_dir"),
+)
+def ruler_reward(
+    group: list[Rollout],
+    model: str,
+    base_url: str | None = None,
+    api_key_env: str | None = None,
+    rubric: str | None = None,
+    permutations: int = 1,
+    seed: int = 0,
+    backend: str = "openai",
+    max_tokens: int | None = None,
+    timeout: float = 60.0,
+    max_retries: int = 3,
+    concurrency: int = 4,
+    backoff: float = 1.0,
+    cache_dir: str | None = None,
+) -> list[tuple[float, dict[str, Any]]]:
+    """RULER score of each rollout of one group, with the judge's explanation in details.
+
+    backend: `openai` (any OpenAI-compatible server at `base_url`) or `transformers` (`model` is a local
+    folder or hub id). max_tokens: the judge's reply limit (None: the server's default; 1024 locally).
+    The API key is read from the env var named `api_key_env` and is scrubbed from any error text.
+    timeout/max_retries/concurrency/backoff/cache_dir do not change values, so they are not versioned.
+    """
+    try:
+        client = make_client(backend, model, base_url, api_key_env, timeout, max_retries, concurrency, backoff, max_tokens)
+        usage = Usage()
+        ranked = rank(
+            [[m.to_openai() for m in r.messages] for r in group],
+            rubric,
+            client,
+            ids=[r.rollout_id for r in group],
+            permutations=permutations,
+            seed=seed,
+            cache_dir=cache_dir,
+            usage=usage,
+        )
+    except Exception as e:
+        # Whatever failed, its text is recorded in every row of the group: make sure the key is not in it.
+        text = str(e) if isinstance(e, JudgeError) else describe_error(e)
+        raise JudgeError(scrub(text, [os.environ.get(api_key_env or "", "")])) from None
+    group_usage = asdict(usage)  # the whole group's cost, repeated on each of its rows
+    return [
+        (s.score, {"explanation": s.explanation, "permutation_scores": list(s.scores), "judge_model": model, "group_usage": group_usage})
+        for s in ranked
+    ]
