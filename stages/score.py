@@ -101,11 +101,14 @@ def _score_batch(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpec]
 def _load(ws, batch_id: str, needs_tokens: bool) -> list[Rollout]:
     """The batch's rollouts; without the token lists unless a reward reads them (converting ~300
     token ids per rollout to Python objects would dominate the cost of rescoring)."""
-    table = ws.read_artifact(batch_id)
-    if not needs_tokens:
-        empty = pa.array([[]] * table.num_rows, type=pa.list_(pa.int32()))
-        for col in TOKEN_COLUMNS:
-            table = table.set_column(table.schema.get_field_index(col), col, empty.cast(table.schema.field(col).type))
+    if needs_tokens:
+        return from_table(ws.read_artifact(batch_id), Rollout)
+    from storage.schema import ROLLOUTS
+
+    table = ws.read_artifact(batch_id, columns=[n for n in ROLLOUTS.names if n not in TOKEN_COLUMNS])
+    for col in TOKEN_COLUMNS:
+        typ = ROLLOUTS.field(col).type
+        table = table.append_column(col, pa.array([[]] * table.num_rows, type=typ))
     return from_table(table, Rollout)
 
 
