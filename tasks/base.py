@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 from storage.schema import ToolCall
 
@@ -71,7 +73,9 @@ def render_system_prompt(system_prompt: str, tool_specs: list[dict[str, Any]]) -
 
 def parse_tool_calls(text: str, turn: int) -> list[ToolCall]:
     """Tool calls in an assistant message. The arguments are kept as written (possibly malformed JSON);
-    `call_tool` reports what is wrong with them. An unclosed `<tool_call>` counts as one malformed call."""
+    `stages.agent.call_tools` reports what is wrong with them. An unclosed `<tool_call>` is read as one
+    call from the rest of the text: a call when that is complete JSON (generation stopped at
+    `</tool_call>`, which stop strings strip), a malformed call when it was cut off."""
     bodies = TOOL_CALL_RE.findall(text)
     if not bodies and OPEN_TAG in text:
         bodies = [text.split(OPEN_TAG, 1)[1]]
@@ -99,3 +103,18 @@ def load_task(name: str, params: dict[str, Any] | None = None) -> Task:
     if not hasattr(module, "make_task"):
         raise ValueError(f"task module {module_name!r} has no make_task(**params) function")
     return module.make_task(**(params or {}))
+
+
+def write_chat_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
+    """Write SFT rows ({"messages": [...], "tools": [...]}) as JSONL; returns how many. The file
+    appears whole or not at all (written under a temporary name, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
+    os.replace(tmp, path)
+    return n
