@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ls", parents=[common], help="list runs, checkpoints or artifact batches")
     p.add_argument("what", choices=sorted(LS_QUERIES))
+
+    from flows import commands  # registers the pipeline commands; imports nothing heavy
+
+    commands.add_parsers(sub, common)
     return parser
 
 

@@ -1,0 +1,236 @@
+"""The pipeline commands of `rlops` (run, stage, rescore, retrain, schedule, report, eval, rewards).
+
+Each validates its config before importing anything heavy or computing anything; a bad config
+prints one message listing every problem and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from flows.cli import command, print_rows
+from flows.config import ConfigError
+
+
+def _config(args: argparse.Namespace):  # -> RunConfig
+    from flows.run_config import load_run_config
+
+    return load_run_config(args.config, args.set)
+
+
+def _prefect_env(workspace: Path) -> None:
+    """Keep Prefect's state in the workspace unless a server or home is configured."""
+    if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
+        os.environ["PREFECT_HOME"] = str(workspace / "prefect")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # 2 slow cores
+
+
+def _workspace_path(args: argparse.Namespace) -> Path:
+    from storage.settings import Settings
+
+    return Settings.from_env(args.workspace).workspace
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], last_line: str) -> None:
+    """Print the created artifact's id as the last line (or one JSON object with --json)."""
+    print(json.dumps(payload, default=str) if args.json else last_line)
+
+
+def _guard(fn):
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except (KeyError, ValueError) as e:
+            print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+            return 1
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+def results_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """base vs SFT vs final on the held-out split, one row per metric."""
+    evals = summary["evals"]
+    cols = [("base", summary["base"]), ("sft", summary.get("sft")), ("final", summary["final"])]
+    cols = [(label, pid) for label, pid in cols if pid and pid in evals]
+    metrics = sorted({m for _, pid in cols for m in evals[pid]})
+    return ["metric"] + [f"{label} ({pid[:11]})" for label, pid in cols], [
+        [m] + [round(evals[pid].get(m, float("nan")), 4) for _, pid in cols] for m in metrics
+    ]
+
+
+@command("run")
+@_guard
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    ws_path = _workspace_path(args)
+    _prefect_env(ws_path)
+    from flows.prefect_flows import train_flow
+
+    summary = train_flow(cfg.model_dump(mode="json"), str(ws_path))
+    if not args.json:
+        cols, rows = results_table(summary)
+        print(f"\nrun {cfg.name}: held-out {cfg.eval.split} split of {cfg.task.name}")
+        print_rows(cols, rows)
+        print(f"\nnext: rlops sql \"SELECT * FROM evals WHERE policy_id = '{summary['final']}'\" --workspace {ws_path}")
+        print(f"      rlops report {cfg.name} --workspace {ws_path}")
+        print(f"      mlflow ui --backend-store-uri sqlite:///{ws_path / 'mlflow.db'}")
+    _emit(args, summary, summary["final"])
+    return 0
+
+
+@command("stage")
+@_guard
+def cmd_stage(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    from flows.stage_calls import call_stage
+    from stages.common import StageContext
+    from storage.workspace import Workspace
+
+    inputs = dict(policy=args.policy, rollouts=args.rollouts, reward=args.reward, data=args.data, step=args.step,
+                  split=args.split)
+    if args.prefect:
+        _prefect_env(_workspace_path(args))
+        from flows.prefect_flows import stage_flow
+
+        artifact = stage_flow(args.stage, cfg.model_dump(mode="json"), str(_workspace_path(args)), **inputs)
+    else:  # quick path: no Prefect server start for one stage
+        ws = Workspace.open(args.workspace)
+        artifact = call_stage(args.stage, cfg, StageContext(ws, run_name=cfg.name), **inputs).id
+    _emit(args, {"stage": args.stage, "artifact_id": artifact}, artifact)
+    return 0
+
+
+@command("rescore")
+@_guard
+def cmd_rescore(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    _prefect_env(_workspace_path(args))
+    from flows.prefect_flows import rescore_flow
+
+    ids = rescore_flow(cfg.model_dump(mode="json"), args.run, str(_workspace_path(args)))
+    _emit(args, {"reward_sets": ids}, "\n".join(ids))
+    return 0
+
+
+@command("retrain")
+@_guard
+def cmd_retrain(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    _prefect_env(_workspace_path(args))
+    from flows.prefect_flows import retrain_flow
+
+    lineage = retrain_flow(cfg.model_dump(mode="json"), args.from_policy, args.run, str(_workspace_path(args)), args.branch)
+    _emit(args, {"lineage": lineage}, lineage[-1])
+    return 0
+
+
+@command("schedule")
+@_guard
+def cmd_schedule(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    from flows.schedule import serve
+
+    return serve(cfg, Path(args.config).resolve(), args.set, _workspace_path(args), args.cron, args.name)
+
+
+@command("report")
+@_guard
+def cmd_report(args: argparse.Namespace) -> int:
+    from flows.report import write_report
+    from storage.workspace import Workspace
+
+    out = write_report(Workspace.open(args.workspace), args.run, Path(args.out) if args.out else None)
+    _emit(args, {"report": str(out)}, str(out))
+    return 0
+
+
+@command("eval")
+@_guard
+def cmd_eval(args: argparse.Namespace) -> int:
+    from storage.settings import Settings
+    from storage.sql import open_views
+
+    con = open_views(Settings.from_env(args.workspace)).con
+    policies = [args.policy_a, args.policy_b]
+    rows = con.execute(
+        "SELECT metric, policy_id, arg_max(value, created_at) AS value FROM evals WHERE policy_id IN (?, ?) "
+        "GROUP BY ALL ORDER BY metric", policies).fetchall()
+    table: dict[str, dict[str, float]] = {}
+    for metric, pid, value in rows:
+        table.setdefault(metric, {})[pid] = value
+    if not table:
+        print(f"error: no evals for {policies[0]} or {policies[1]}", file=sys.stderr)
+        return 1
+    print_rows(["metric"] + policies, [[m] + [v.get(p) for p in policies] for m, v in table.items()],
+               "json" if args.json else "table")
+    return 0
+
+
+@command("rewards")
+@_guard
+def cmd_rewards(args: argparse.Namespace) -> int:
+    from storage.settings import Settings
+    from storage.sql import open_views
+
+    con = open_views(Settings.from_env(args.workspace)).con
+    rel = con.sql(
+        "SELECT reward_name, reward_version, count(DISTINCT batch_id) AS batches, count(*) AS rows, "
+        "count(*) FILTER (value IS NULL) AS errors, round(avg(value), 4) AS mean, "
+        "min(scored_at) AS first_scored, max(scored_at) AS last_scored, "
+        "(SELECT string_agg(DISTINCT c.policy_id, ',') FROM checkpoints c "
+        " WHERE c.trained_on->>'reward' = reward_name || '@' || reward_version) AS trained_policies "
+        "FROM rewards GROUP BY ALL ORDER BY reward_name, last_scored")
+    print_rows(rel.columns, [list(r) for r in rel.fetchall()], "json" if args.json else "table")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    cfg = argparse.ArgumentParser(add_help=False, parents=[common])
+    cfg.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
+    cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set grpo.lr=5e-5 (repeatable)")
+
+    sub.add_parser("run", parents=[cfg], help="run (or resume) the whole pipeline under Prefect")
+
+    p = sub.add_parser("stage", parents=[cfg], help="run one stage and print its artifact id")
+    p.add_argument("stage", choices=["sft", "rollout", "score", "grpo", "evaluate"])
+    p.add_argument("--policy", help="policy id (default/`base`: the config's base model)")
+    p.add_argument("--rollouts", nargs="+", metavar="BATCH_ID", help="rollout batch ids (score, grpo)")
+    p.add_argument("--reward", metavar="NAME[@VERSION]", help="reward to train on (grpo; default: latest version)")
+    p.add_argument("--data", metavar="FILE", help="chat JSONL/Parquet (sft)")
+    p.add_argument("--step", type=int, default=0, help="which prompts (rollout): step k takes the k-th slice")
+    p.add_argument("--split", default="train", help="task split (rollout)")
+    p.add_argument("--prefect", action="store_true", help="run as a Prefect flow (default: directly, no server start)")
+
+    p = sub.add_parser("rescore", parents=[cfg], help="rescore all stored rollouts of a run with the config's rewards")
+    p.add_argument("--run", required=True, help="run name")
+
+    p = sub.add_parser("retrain", parents=[cfg], help="replay a run's GRPO updates from a policy on rescored rollouts")
+    p.add_argument("--from", dest="from_policy", required=True, metavar="POLICY")
+    p.add_argument("--run", required=True, help="run whose rollouts are replayed")
+    p.add_argument("--branch", help="name of the new lineage (default: RUN-retrain)")
+
+    p = sub.add_parser("schedule", parents=[cfg], help="serve a Prefect deployment that retrains on a cron schedule")
+    p.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *"')
+    p.add_argument("--name", help="deployment name (default: the run name)")
+
+    p = sub.add_parser("report", parents=[common], help="PNG curves + HTML summary of a run, logged to MLflow")
+    p.add_argument("run", help="run name")
+    p.add_argument("--out", help="output folder (default: WORKSPACE/reports/RUN)")
+
+    p = sub.add_parser("eval", parents=[common], help="compare evaluations")
+    p.add_argument("action", choices=["compare"])
+    p.add_argument("policy_a")
+    p.add_argument("policy_b")
+
+    p = sub.add_parser("rewards", parents=[common], help="reward names, versions and where they were used")
+    p.add_argument("action", choices=["ls"])

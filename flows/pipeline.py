@@ -1,0 +1,136 @@
+"""The training pipeline: optional SFT warm-start, then for each step rollout -> score -> GRPO,
+evaluating at the start, every `eval.every` steps and at the end.
+
+`train` is plain Python over the stage functions; `call` decides how each stage call runs:
+directly (`direct`, used by tests and benchmarks) or as a Prefect task (`flows.prefect_flows`).
+Every stage is idempotent by artifact id, so rerunning `train` after a crash recomputes nothing
+that was complete and continues from the first missing artifact; that needs no orchestrator
+state, and survives a lost Prefect database.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from flows.run_config import RunConfig
+from stages import evaluate, grpo, rollout, score, sft
+from stages.common import ArtifactRef, StageContext, base_policy
+
+Call = Callable[..., ArtifactRef]
+
+
+def direct(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs: Any) -> ArtifactRef:
+    return fn(*args, **kwargs)
+
+
+@dataclass
+class TrainResult:
+    run_name: str
+    base: str
+    sft: str | None
+    final: str
+    policies: list[str] = field(default_factory=list)  # every GRPO checkpoint, in order
+    evals: dict[str, dict[str, float]] = field(default_factory=dict)  # policy_id -> metrics
+    batches: list[str] = field(default_factory=list)  # rollout batches, in step order
+
+
+def sft_data(cfg: RunConfig, ws_root: Path) -> str:
+    """The SFT data file: the configured path, or the task's oracle demonstrations written into the workspace."""
+    assert cfg.sft is not None
+    if cfg.sft.data != "oracle":
+        return cfg.sft.data
+    import importlib
+
+    module = importlib.import_module(cfg.task.name if "." in cfg.task.name else f"tasks.{cfg.task.name}")
+    if not hasattr(module, "write_oracle_dataset"):
+        raise ValueError(f"task {cfg.task.name!r} has no write_oracle_dataset: give sft.data a file")
+    path = ws_root / "sft" / f"{cfg.task.name}-oracle.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    module.write_oracle_dataset(tmp, split="train", **cfg.task.params)
+    tmp.replace(path)  # whole file or none: its hash is part of the SFT checkpoint id
+    return str(path)
+
+
+def evaluate_policy(cfg: RunConfig, ctx: StageContext, policy: str, call: Call = direct) -> dict[str, float]:
+    ref = call(f"evaluate-{policy}", evaluate.run, cfg.eval, ctx, policy, cfg.task, cfg.rollout, cfg.score)
+    meta = ctx.ws.catalog.get_artifact(ref.id)["meta"]
+    return meta["metrics"]
+
+
+def _print_step(row: dict[str, Any]) -> None:
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), file=sys.stderr)
+
+
+def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: str | None = None,
+          start_step: int = 0, on_step: Callable[[dict[str, Any]], None] = _print_step) -> TrainResult:
+    """Run (or resume) the pipeline; returns the lineage and the eval metrics per evaluated policy.
+
+    `start_policy`/`start_step` continue an existing lineage (scheduled runs) instead of starting
+    from the base model (and skip the warm-start). `on_step` receives one summary row per step and
+    per evaluation (Prefect flows turn them into artifacts).
+    """
+    ws = ctx.ws
+    base = base_policy(ws, cfg.base_model)
+    policy, sft_policy = start_policy or base, None
+    if cfg.sft is not None and start_policy is None:
+        sft_cfg = sft.SFTConfig(**cfg.sft.model_dump(exclude={"data"}))
+        sft_policy = call("sft", sft.run, sft_cfg, ctx, cfg.base_model, sft_data(cfg, ws.root)).id
+        policy = sft_policy
+    result = TrainResult(cfg.name, base, sft_policy, policy)
+    if start_policy is None:
+        for p in [base] + ([sft_policy] if sft_policy else []):
+            result.evals[p] = evaluate_policy(cfg, ctx, p, call)
+            on_step({"eval": p, **result.evals[p]})
+
+    for step in range(start_step, start_step + cfg.steps):
+        batch = call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, policy, cfg.task, "train", step)
+        scored = call(f"score-{step}", score.run, cfg.score, ctx, [batch.id])
+        reward = f"{cfg.reward_name}@{score.versions(cfg.score)[cfg.reward_name]}"
+        policy = call(f"grpo-{step}", grpo.run, cfg.grpo, ctx, policy, [batch.id], reward).id
+        result.batches.append(batch.id)
+        result.policies.append(policy)
+        metrics = ws.catalog.get_artifact(scored.id)["meta"]["metrics"]
+        trained = ws.catalog.get_artifact(policy)["meta"]["metrics"]
+        on_step({"step": step, "batch": batch.id, "policy": policy,
+                 "reward_mean": metrics.get(f"{cfg.reward_name}.mean", float("nan")),
+                 **{k: trained[k] for k in ("loss", "zero_variance_frac", "clip_frac") if k in trained}})
+        last = step == start_step + cfg.steps - 1
+        if (step - start_step + 1) % cfg.eval.every == 0 or last:
+            result.evals[policy] = evaluate_policy(cfg, ctx, policy, call)
+            on_step({"eval": policy, **result.evals[policy]})
+    result.final = policy
+    return result
+
+
+def rescore(cfg: RunConfig, ctx: StageContext, run_name: str, call: Call = direct) -> list[ArtifactRef]:
+    """Score every stored training rollout batch of `run_name` with the config's (edited) rewards."""
+    batches = run_batches(ctx, run_name)
+    return [call(f"rescore-{i}", score.run, cfg.score, ctx, [b]) for i, b in enumerate(batches)]
+
+
+def retrain(cfg: RunConfig, ctx: StageContext, from_policy: str, run_name: str, call: Call = direct) -> list[str]:
+    """Replay the GRPO updates of `run_name` from `from_policy` on its stored (rescored) rollouts:
+    no generation; a new lineage branch trained on the config's current reward version."""
+    policy, lineage = from_policy, []
+    reward = f"{cfg.reward_name}@{score.versions(cfg.score)[cfg.reward_name]}"
+    for i, batch in enumerate(run_batches(ctx, run_name)):
+        call(f"rescore-{i}", score.run, cfg.score, ctx, [batch])  # a no-op when already rescored
+        policy = call(f"retrain-{i}", grpo.run, cfg.grpo, ctx, policy, [batch], reward).id
+        lineage.append(policy)
+    return lineage
+
+
+def run_batches(ctx: StageContext, run_name: str) -> list[str]:
+    """The training rollout batches of a run, in step order."""
+    rows = ctx.ws.query(
+        "SELECT a.artifact_id FROM artifacts a JOIN stage_runs s ON s.artifact_id = a.artifact_id "
+        f"WHERE a.kind = 'rollouts' AND s.stage = 'rollout' AND s.run_name = '{run_name.replace(chr(39), '')}' "
+        "AND a.meta->>'split' = 'train' GROUP BY a.artifact_id, a.meta ORDER BY CAST(a.meta->>'step' AS INTEGER), min(a.completed_at)"
+    ).to_pylist()
+    if not rows:
+        raise KeyError(f"run {run_name!r} has no training rollout batches in this workspace")
+    return [r["artifact_id"] for r in rows]

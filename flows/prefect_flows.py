@@ -1,0 +1,153 @@
+"""Prefect flows: the pipeline, one flow per stage for reruns, rescore/retrain, and the scheduled run.
+
+Flows are thin: they open the workspace, tie the run to an MLflow parent run and a catalog `runs`
+row, and hand `flows.pipeline` a `call` that runs each stage as a Prefect task. Stage results are
+cached by the catalog (artifact ids), not by Prefect's result store: a task is re-entered on a
+rerun and returns at once when its artifact exists, so Prefect and the catalog cannot disagree,
+and a lost Prefect database loses nothing. Tasks retry transient errors (I/O, connections), never
+config or data errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NONE
+from prefect.context import get_run_context
+
+from flows import pipeline
+from flows.run_config import RunConfig, from_dict
+from stages.common import ArtifactRef, StageContext
+from storage.workspace import Workspace
+
+TRANSIENT = (OSError, ConnectionError, TimeoutError)
+
+
+def _transient(task_obj: Any, task_run: Any, state: Any) -> bool:
+    try:
+        state.result()
+    except TRANSIENT:
+        return True
+    except BaseException:  # noqa: BLE001 - any other failure is not worth retrying
+        return False
+    return False
+
+
+def prefect_call(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs: Any) -> ArtifactRef:
+    """Run one stage call as a Prefect task named after the stage and step."""
+    stage = task(fn, name=name.split("-")[0], task_run_name=name, cache_policy=NONE, retries=2,
+                 retry_delay_seconds=5, retry_condition_fn=_transient, persist_result=False)
+    return stage(*args, **kwargs)
+
+
+def _context(ws: Workspace, cfg: RunConfig) -> StageContext:
+    """Continue the run's MLflow parent run if it is unfinished, else start one; record the run."""
+    existing = ws.catalog.get_run(cfg.name)
+    if existing and existing["status"] != "complete" and existing["mlflow_run_id"]:
+        parent = existing["mlflow_run_id"]
+    else:
+        parent = ws.tracker.start_run(f"pipeline:{cfg.name}", tags={"rlops.run_name": cfg.name},
+                                      params=cfg.model_dump(mode="json"))
+    ws.catalog.upsert_run(cfg.name, cfg.model_dump(mode="json"), parent, "running")
+    flow_run = get_run_context().flow_run
+    return StageContext(ws, run_name=cfg.name, parent_run_id=parent, prefect_flow_run_id=str(flow_run.id))
+
+
+def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult) -> dict[str, Any]:
+    final = result.evals.get(result.final, {})
+    ws.tracker.log_metrics(ctx.parent_run_id, {f"final.{k}": v for k, v in final.items()})
+    ws.tracker.set_tags(ctx.parent_run_id, {"rlops.final_policy": result.final})
+    ws.tracker.end_run(ctx.parent_run_id)
+    ws.catalog.upsert_run(cfg.name, cfg.model_dump(mode="json"), ctx.parent_run_id, "complete", finished_at=None)
+    rows = [{"policy": p, **{k: round(v, 4) for k, v in m.items()}} for p, m in result.evals.items()]
+    if rows:
+        create_table_artifact(rows, key=_key(cfg.name, "evals"), description=f"evaluations of run {cfg.name}")
+    return {"run_name": cfg.name, "final": result.final, "base": result.base, "sft": result.sft,
+            "evals": result.evals, "policies": result.policies, "batches": result.batches,
+            "mlflow_run_id": ctx.parent_run_id}
+
+
+def _key(*parts: str) -> str:
+    # Prefect artifact keys: lowercase letters, numbers and dashes only.
+    return "-".join("".join(c if c.isalnum() else "-" for c in p.lower()) for p in parts)
+
+
+def _on_step(cfg: RunConfig) -> Callable[[dict[str, Any]], None]:
+    logger = get_run_logger()
+
+    def report(row: dict[str, Any]) -> None:
+        logger.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        title = f"step {row['step']}" if "step" in row else f"evaluation of {row['eval']}"
+        table = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in row.items())
+        create_markdown_artifact(f"### {cfg.name}: {title}\n\n| field | value |\n|---|---|\n{table}\n",
+                                 key=_key(cfg.name, "step" if "step" in row else "eval"),
+                                 description=f"{cfg.name} {title}")
+
+    return report
+
+
+@flow(name="rlops-train", log_prints=True)
+def train_flow(config: dict[str, Any], workspace: str | None = None, continue_lineage: bool = False) -> dict[str, Any]:
+    """The whole pipeline for one config. `continue_lineage` starts from the run's latest checkpoint
+    (scheduled retraining) instead of the base model."""
+    cfg = from_dict(config)
+    ws = Workspace.open(workspace)
+    ctx = _context(ws, cfg)
+    start_policy, start_step = None, 0
+    if continue_lineage:
+        latest = [c for c in ws.catalog.checkpoints(cfg.name) if c["kind"] == "grpo"]
+        if latest:
+            start_policy, start_step = latest[-1]["policy_id"], int(latest[-1]["step"])
+    result = pipeline.train(cfg, ctx, prefect_call, start_policy, start_step, on_step=_on_step(cfg))
+    return _finish(ws, ctx, cfg, result)
+
+
+@flow(name="rlops-scheduled-train", log_prints=True)
+def scheduled_train_flow(config_path: str, workspace: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A scheduled run: re-reads the config file (so edited rewards and added task prompts are picked
+    up) and continues the run's lineage from its latest checkpoint."""
+    from flows.run_config import load_run_config
+
+    cfg = load_run_config(config_path, overrides)
+    return train_flow(cfg.model_dump(mode="json"), workspace, continue_lineage=True)
+
+
+@flow(name="rlops-rescore", log_prints=True)
+def rescore_flow(config: dict[str, Any], run_name: str, workspace: str | None = None) -> list[str]:
+    """Rescore every stored training batch of `run_name` with the config's rewards (no generation)."""
+    cfg = from_dict(config)
+    ws = Workspace.open(workspace)
+    ctx = StageContext(ws, run_name=run_name, prefect_flow_run_id=str(get_run_context().flow_run.id))
+    return [r.id for r in pipeline.rescore(cfg, ctx, run_name, prefect_call)]
+
+
+@flow(name="rlops-retrain", log_prints=True)
+def retrain_flow(config: dict[str, Any], from_policy: str, run_name: str, workspace: str | None = None,
+                 branch: str | None = None) -> list[str]:
+    """Replay `run_name`'s GRPO updates from `from_policy` on its rescored rollouts into a new branch."""
+    cfg = from_dict(config)
+    ws = Workspace.open(workspace)
+    branch = branch or f"{run_name}-retrain"
+    parent = ws.tracker.start_run(f"retrain:{branch}", tags={"rlops.run_name": branch, "rlops.from_policy": from_policy,
+                                                             "rlops.replayed_run": run_name})
+    ctx = StageContext(ws, run_name=branch, parent_run_id=parent, prefect_flow_run_id=str(get_run_context().flow_run.id))
+    ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
+                          parent, "running")
+    lineage = pipeline.retrain(cfg, ctx, from_policy, run_name, prefect_call)
+    ws.tracker.end_run(parent)
+    ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
+                          parent, "complete")
+    return lineage
+
+
+@flow(name="rlops-stage", log_prints=True)
+def stage_flow(stage: str, config: dict[str, Any], workspace: str | None = None, **inputs: Any) -> str:
+    """One stage on its own (reruns): `stage` is sft | rollout | score | grpo | evaluate."""
+    from flows.stage_calls import call_stage
+
+    cfg = from_dict(config)
+    ws = Workspace.open(workspace)
+    ctx = StageContext(ws, run_name=cfg.name, prefect_flow_run_id=str(get_run_context().flow_run.id))
+    return call_stage(stage, cfg, ctx, prefect_call, **inputs).id

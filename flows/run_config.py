@@ -1,0 +1,95 @@
+"""The pipeline config: one section per stage, validated as a whole before any compute.
+
+    name: arithmetic-demo          # the run: its lineage continues across reruns and schedules
+    base_model: SmolLM2-135M-Instruct
+    task: {name: arithmetic, params: {digits: 2}}
+    steps: 40
+    sft: {data: oracle, max_steps: 60}     # optional warm-start
+    rollout: {...}  score: {rewards: [...]}  grpo: {...}  eval: {...}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flows.config import ConfigError, load_config, validate
+from stages.evaluate import EvalConfig
+from stages.grpo import GRPOConfig
+from stages.rollout import RolloutConfig, TaskSpec
+from stages.score import ScoreConfig, versions
+from stages.sft import SFTConfig
+
+
+class SFTSection(SFTConfig):
+    # A chat JSONL/Parquet file, or "oracle": the task's scripted demonstrations
+    # (tasks that define write_oracle_dataset, e.g. doc_search and arithmetic).
+    data: str
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")  # the run's name: reruns and schedules continue its lineage
+    base_model: str = "SmolLM2-135M-Instruct"  # default name, local folder, or hub id (when reachable)
+    task: TaskSpec
+    steps: int = Field(10, ge=0)  # GRPO steps (each: rollout -> score -> update)
+    sft: SFTSection | None = None  # warm-start before RL; None starts GRPO from the base model
+    rollout: RolloutConfig = RolloutConfig()
+    score: ScoreConfig
+    train_reward: str | None = None  # reward name GRPO optimises; None = score.total
+    grpo: GRPOConfig = GRPOConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @property
+    def reward_name(self) -> str:
+        return self.train_reward or self.score.total or self.score.rewards[0].name
+
+
+def semantic_problems(cfg: RunConfig) -> list[str]:
+    """Checks that need more than types: loadable task and rewards, files that exist, consistent sections."""
+    from stages.model import DEFAULT_MODEL
+    from tasks.base import load_task
+
+    problems = []
+    try:
+        task = load_task(cfg.task.name, cfg.task.params)
+        for split in ("train", cfg.eval.split):
+            if not task.prompts(split):
+                problems.append(f"task: split {split!r} has no prompts")
+    except Exception as e:  # noqa: BLE001 - any failure to build the task is a config problem to report
+        problems.append(f"task: cannot load {cfg.task.name!r}: {type(e).__name__}: {e}")
+    try:
+        names = set(versions(cfg.score))
+        if cfg.reward_name not in names:
+            problems.append(f"train_reward: {cfg.reward_name!r} is not one of the score rewards {sorted(names)}")
+        if cfg.eval.metric and cfg.eval.metric not in names:
+            problems.append(f"eval.metric: {cfg.eval.metric!r} is not one of the score rewards {sorted(names)}")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"score.rewards: {type(e).__name__}: {e}")
+    if cfg.grpo.temperature != cfg.rollout.temperature:
+        problems.append(f"grpo.temperature ({cfg.grpo.temperature}) must equal rollout.temperature "
+                        f"({cfg.rollout.temperature}): the importance ratio compares log-probs at one temperature")
+    if cfg.sft and cfg.sft.data != "oracle" and not Path(cfg.sft.data).expanduser().exists():
+        problems.append(f"sft.data: file not found: {cfg.sft.data}")
+    if cfg.base_model != DEFAULT_MODEL and cfg.base_model.startswith((".", "/", "~")) and not Path(cfg.base_model).expanduser().exists():
+        problems.append(f"base_model: folder not found: {cfg.base_model}")
+    return problems
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read, override and validate a pipeline config; raise one ConfigError listing every problem."""
+    cfg = load_config(RunConfig, path, overrides)
+    problems = semantic_problems(cfg)
+    if problems:
+        raise ConfigError(f"{path} is invalid ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - "
+                          + "\n  - ".join(problems))
+    if cfg.sft and cfg.sft.data != "oracle":
+        cfg.sft.data = str(Path(cfg.sft.data).expanduser().resolve())  # relative to where rlops runs
+    return cfg
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Validate an in-memory config (tests, flows receiving a serialised config)."""
+    return validate(RunConfig, data)

@@ -1,0 +1,45 @@
+"""One stage on its own, with its inputs named as on the command line (`rlops stage ...`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flows import pipeline
+from flows.run_config import RunConfig
+from stages import evaluate, grpo, rollout, score, sft
+from stages.common import ArtifactRef, StageContext, base_policy
+
+STAGES = ("sft", "rollout", "score", "grpo", "evaluate")
+
+
+def resolve_policy_arg(cfg: RunConfig, ctx: StageContext, policy: str | None) -> str:
+    """`base` (or nothing) means the config's base model; anything else is a policy id."""
+    return base_policy(ctx.ws, cfg.base_model) if policy in (None, "base") else policy
+
+
+def call_stage(stage: str, cfg: RunConfig, ctx: StageContext, call: pipeline.Call = pipeline.direct,
+               policy: str | None = None, rollouts: list[str] | None = None, reward: str | None = None,
+               data: str | None = None, step: int = 0, split: str = "train") -> ArtifactRef:
+    """Run one stage from a pipeline config and named inputs; returns its artifact."""
+    if stage == "sft":
+        if cfg.sft is None and data is None:
+            raise ValueError("the config has no sft section: add one or pass --data")
+        sft_cfg = sft.SFTConfig(**(cfg.sft.model_dump(exclude={"data"}) if cfg.sft else {}))
+        return call("sft", sft.run, sft_cfg, ctx, cfg.base_model, data or pipeline.sft_data(cfg, ctx.ws.root))
+    if stage == "rollout":
+        return call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, resolve_policy_arg(cfg, ctx, policy), cfg.task,
+                    split, step)
+    if stage == "score":
+        if not rollouts:
+            raise ValueError("score needs --rollouts BATCH_ID [...]")
+        return call("score", score.run, cfg.score, ctx, rollouts)
+    if stage == "grpo":
+        if not rollouts:
+            raise ValueError("grpo needs --rollouts BATCH_ID [...]")
+        name, _, version = (reward or cfg.reward_name).partition("@")
+        version = version or score.latest_version(ctx.ws, rollouts, name)
+        return call("grpo", grpo.run, cfg.grpo, ctx, resolve_policy_arg(cfg, ctx, policy), rollouts, f"{name}@{version}")
+    if stage == "evaluate":
+        return call("evaluate", evaluate.run, cfg.eval, ctx, resolve_policy_arg(cfg, ctx, policy), cfg.task,
+                    cfg.rollout, cfg.score)
+    raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
