@@ -1,0 +1,278 @@
+"""Generation backends: sample assistant turns and record each sampled token's log-prob.
+
+One small interface, `Backend.generate(prompt_token_ids, sampling, seed) -> list[Sample]`, with two
+implementations: `HFBackend` (transformers, batched, the CPU default) and `VLLMBackend` (GPU, LoRA
+adapters hot-loaded per policy id).
+
+The behavior log-prob of a sampled token is log_softmax(logits / temperature) at that token: the
+same definition the GRPO stage uses when it recomputes log-probs. top_p truncation changes which
+tokens can be drawn but is NOT part of the definition (greedy decoding, temperature 0, records the
+log-probs at temperature 1).
+
+torch, transformers and vllm are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How one assistant turn is sampled (stored as JSON in `rollouts.sampling`)."""
+
+    # The policy's own distribution: the behavior log-probs and the GRPO ratio then describe what
+    # was actually sampled; other values are allowed (the log-probs follow the temperature).
+    temperature: float = 1.0
+    # No nucleus truncation: with top_p < 1 the sampler draws from a truncated distribution that
+    # the recorded log-probs (untruncated, see module docstring) do not describe exactly.
+    top_p: float = 1.0
+    # Per assistant turn: room for a tool call or a short answer from a small model, and a bound
+    # on what one rambling turn costs. The whole episode is bounded by `max_total_tokens`.
+    max_new_tokens: int = 256
+    # The model's EOS ends a turn; stop strings are opt-in (e.g. "</tool_call>" to cut a turn
+    # right after a call). The stop string stays in the text and the tokens.
+    stop: tuple[str, ...] = ()
+    # Base seed of a rollout batch; each generate call's seed derives from it, so reruns repeat.
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    """One sampled assistant turn.
+
+    `token_ids` are the sampled tokens, ending with EOS when the model emitted one (EOS is a
+    policy action, so it is trained on); `logprobs` are aligned with them. `text` is
+    `tokenizer.decode(token_ids minus a final EOS)` with special tokens kept, so it renders back
+    to exactly these tokens. `finish_reason` is "stop" (EOS or a stop string) or "length".
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+class Backend(Protocol):
+    """What the agent loop needs from a generation engine."""
+
+    eos_ids: set[int]  # token ids that end an assistant turn
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+    ) -> list[Sample]:
+        """Sample one continuation per prompt (same order); `seed` defaults to `sampling.seed`."""
+        ...
+
+
+def decode_turn(tokenizer: Any, token_ids: list[int], eos_ids: set[int]) -> str:
+    """The text of a sampled turn: the tokens minus a final EOS, special tokens kept, no clean-up,
+    so that the chat template renders it back to the same characters."""
+    if token_ids and token_ids[-1] in eos_ids:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The ids that end an assistant turn: the generation config's EOS (an int or a list), else the
+    tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+class _LogprobRecorder:
+    """A logits processor that records log_softmax(logits / T) at each sampled token.
+
+    transformers runs custom processors after its own (none are configured here) and before the
+    sampling warpers (temperature, top_p), so `scores` are the raw logits. The token sampled from
+    step t's scores shows up as the last column of `input_ids` at step t+1, so only one step of
+    logits is kept alive: O(B * V) memory instead of the O(B * T * V) of `output_logits=True`.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self._scores: torch.Tensor | None = None  # (B, V) raw logits of the previous step
+        self._logprobs: list[torch.Tensor] = []  # per step, (B,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._scores is not None:
+            self._collect(input_ids[:, -1])
+        # The warpers after this one return new tensors (no in-place edits), so a reference suffices.
+        self._scores = scores
+        return scores
+
+    def _collect(self, tokens: torch.Tensor) -> None:
+        import torch
+
+        z = self._scores.float()  # (B, V)
+        if self.temperature != 1.0:
+            z = z / self.temperature
+        # log_softmax at one token = z[token] - logsumexp(z): no (B, V) log-prob tensor is written.
+        picked = z.gather(1, tokens[:, None]).squeeze(1)  # (B,)
+        self._logprobs.append(picked - torch.logsumexp(z, dim=-1))
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs of all generated tokens, (B, n); `last_tokens` (B,) were sampled at the last step."""
+        import torch
+
+        self._collect(last_tokens)
+        self._scores = None
+        return torch.stack(self._logprobs, dim=1)
+
+
+class HFBackend:
+    """Batched sampling with `transformers`' `generate` (left padding, seeded, CPU or GPU)."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+    ) -> list[Sample]:
+        """Sample one turn per prompt in one left-padded batch; deterministic for a given seed."""
+        import torch
+        from transformers import LogitsProcessorList
+
+        device = self.model.device
+        width = max(len(ids) for ids in prompt_token_ids)
+        input_ids = torch.full((len(prompt_token_ids), width), self.pad_id, dtype=torch.long)  # (B, P)
+        attention_mask = torch.zeros_like(input_ids)  # (B, P), 0 on the left padding
+        for row, ids in enumerate(prompt_token_ids):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, width - len(ids) :] = 1
+
+        greedy = sampling.temperature == 0
+        recorder = _LogprobRecorder(1.0 if greedy else sampling.temperature)
+        kwargs: dict[str, Any] = dict(
+            do_sample=not greedy,
+            temperature=1.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0,  # transformers defaults to top_k=50; sample from the full distribution
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
+        if sampling.stop:
+            kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
+
+        devices = [device] if device.type == "cuda" else []
+        # fork_rng: seed without disturbing the caller's global RNG state.
+        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+            torch.manual_seed(sampling.seed if seed is None else seed)
+            sequences = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
+            )  # (B, P + n)
+            new = sequences[:, width:]  # (B, n)
+            logprobs = recorder.finish(new[:, -1])  # (B, n)
+        return [self._sample(ids, lps, sampling) for ids, lps in zip(new.tolist(), logprobs.tolist())]
+
+    def _sample(self, ids: list[int], lps: list[float], sampling: SamplingConfig) -> Sample:
+        """Cut one generated row where it really ended (EOS, stop string, or max length); the rest
+        is padding added after the row finished while others were still generating."""
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_ids), None)
+        if sampling.stop:
+            stop_end = self._stop_end(ids[:end], sampling.stop)
+            if stop_end is not None and (end is None or stop_end < end):
+                end = stop_end
+        reason = "stop" if end is not None else "length"
+        ids = ids[:end]
+        return Sample(ids, lps[: len(ids)], decode_turn(self.tokenizer, ids, self.eos_ids), reason)
+
+    def _stop_end(self, ids: list[int], stops: tuple[str, ...]) -> int | None:
+        """The smallest k such that the first k tokens' text contains a stop string (where
+        transformers' stop-string criterion fired), by bisection; None if none occurs."""
+
+        def hit(k: int) -> bool:
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=False)
+            return any(s in text for s in stops)
+
+        if not hit(len(ids)):
+            return None
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
+        return lo
+
+
+class VLLMBackend:
+    """vLLM on a GPU, one engine per base model, LoRA adapters hot-loaded per policy id.
+
+    Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. log_softmax of the
+    logits after temperature scaling (and after top-k/top-p masking). With top_p == 1 that is
+    exactly log_softmax(logits / T), the definition above, so `generate` refuses top_p < 1 rather
+    than record nucleus-renormalised values. The default "raw_logprobs" would ignore the
+    temperature (log_softmax(logits) at T=1). Greedy requests (temperature 0) report
+    log_softmax(logits), again matching the definition.
+    """
+
+    def __init__(self, base_model: str, max_lora_rank: int = 64, **engine_kwargs: Any) -> None:
+        import vllm
+
+        from stages.model import resolve_model
+
+        self.llm = vllm.LLM(
+            model=resolve_model(base_model),
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            logprobs_mode="processed_logprobs",
+            **engine_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.eos_ids = {self.tokenizer.eos_token_id}
+        self._lora_ids: dict[str, int] = {}  # policy id -> vLLM's integer adapter id (must be > 0)
+        self._lora_request: Any = None  # None: the base model
+
+    def use_adapter(self, policy_id: str, adapter_dir: str | None) -> None:
+        """Generate with this policy's LoRA adapter from now on (None: the base model)."""
+        from vllm.lora.request import LoRARequest
+
+        if adapter_dir is None:
+            self._lora_request = None
+            return
+        lora_id = self._lora_ids.setdefault(policy_id, len(self._lora_ids) + 1)
+        self._lora_request = LoRARequest(policy_id, lora_id, adapter_dir)
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+    ) -> list[Sample]:
+        """Sample one turn per prompt; request i is seeded with seed + i, so identical prompts (a
+        GRPO group) get different samples and each request is reproducible on its own."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if sampling.top_p < 1.0:
+            raise ValueError("VLLMBackend records log-probs of the untruncated distribution only: use top_p=1.0")
+        base = sampling.seed if seed is None else seed
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature,
+                top_p=1.0,
+                max_tokens=sampling.max_new_tokens,
+                stop=list(sampling.stop) or None,
+                include_stop_str_in_output=True,  # keep the text consistent with the tokens
+                seed=base + i,
+                logprobs=0,  # only the sampled token's log-prob
+            )
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]  # one {token: Logprob} per step
+            text = decode_turn(self.tokenizer, ids, self.eos_ids)
+            samples.append(Sample(ids, lps, text, "stop" if c.finish_reason == "stop" else "length"))
+        return samples

@@ -1,0 +1,193 @@
+"""Rollout stage: a policy x a task's prompts x G samples -> one rollout batch in Parquet.
+
+The batch is written in shards of `groups_per_shard` groups, each registered as soon as it is
+complete, so a batch killed halfway resumes from its last complete shard: rollout ids are
+deterministic (`<batch>-g<group>-s<sample>`), a rerun regenerates only the missing shards, and the
+batch becomes visible (complete) only when every shard is there.
+
+`workers: 1` generates in this process; `workers: N` starts N Ray actors (each with its own
+policy replica or engine) and splits the shards among them; `ray_address` joins a cluster. Only
+this (driver) process writes Parquet and the catalog: actors hand back Arrow tables.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
+from storage.schema import Rollout, to_table
+from tasks.base import Prompt, load_task
+
+
+class TaskSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str  # built-in task module (`arithmetic`, `doc_search`) or an importable module path
+    params: dict[str, Any] = Field(default_factory=dict)  # passed to the module's make_task(**params)
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompts_per_step: int = Field(4, ge=1)  # groups per batch; 4 x 8 is the reference CPU workload
+    group_size: int = Field(8, ge=1)  # G: GRPO needs several samples per prompt to compare
+    temperature: float = Field(1.0, ge=0.0)  # sample the policy's own distribution (0 = greedy)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # no truncation: behaviour log-probs describe the sampler
+    max_new_tokens: int = Field(256, ge=1)  # per assistant turn
+    max_total_tokens: int = Field(2048, ge=16)  # per episode: prompt + turns + tool results
+    tool_timeout: float = Field(10.0, gt=0.0)  # seconds per turn's tool calls; a hung tool becomes an error message
+    stop: list[str] = Field(default_factory=list)  # extra stop strings (EOS always ends a turn)
+    backend: Literal["hf", "vllm"] = "hf"  # hf: transformers (CPU default); vllm: GPU engine with LoRA
+    workers: int = Field(1, ge=1)  # >1: Ray actors, one policy replica each
+    groups_per_shard: int = Field(4, ge=1)  # resume granularity; also the generation batch (x G episodes)
+    ray_address: str | None = None  # join an existing Ray cluster instead of starting a local one
+    seed: int = 0  # base seed; each episode's seed derives from it, the step and its position
+
+
+def select_prompts(prompts: list[Prompt], n: int, step: int) -> list[Prompt]:
+    """The `n` prompts of a step: consecutive, wrapping around the split."""
+    if not prompts:
+        raise ValueError("the task has no prompts in this split")
+    return [prompts[(step * n + i) % len(prompts)] for i in range(n)]
+
+
+class RolloutWorker:
+    """One policy replica that turns shards of groups into Arrow tables (in-process or as a Ray actor)."""
+
+    def __init__(self, config: RolloutConfig, base_model: str, adapter_dir: str | None, policy_id: str,
+                 task: TaskSpec, threads: int | None = None):
+        from stages.generate import HFBackend, SamplingConfig
+
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        self.config, self.policy_id, self.task_spec = config, policy_id, task
+        self.task = load_task(task.name, task.params)
+        if config.backend == "vllm":
+            from stages.generate import VLLMBackend
+
+            self.backend: Any = VLLMBackend(base_model)
+            self.backend.use_adapter(policy_id, adapter_dir)
+            self.tokenizer = self.backend.tokenizer
+        else:
+            from stages.policy import load_policy
+
+            model, self.tokenizer = load_policy(base_model, adapter_dir)
+            self.backend = HFBackend(model, self.tokenizer)
+        self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
+                                       max_new_tokens=config.max_new_tokens, stop=tuple(config.stop), seed=config.seed)
+
+    def run_shard(self, batch_id: str, split: str, groups: list[tuple[int, Prompt]], base_seed: int) -> pa.Table:
+        """Generate every sample of the given (group index, prompt) pairs; one row per episode."""
+        from stages.agent import EpisodeSpec, run_episodes
+
+        G = self.config.group_size
+        specs = [EpisodeSpec(p, base_seed + gi * G + s) for gi, p in groups for s in range(G)]
+        episodes = run_episodes(self.backend, self.tokenizer, self.task, specs, self.sampling,
+                                max_total_tokens=self.config.max_total_tokens, tool_timeout=self.config.tool_timeout)
+        sampling = self.config.model_dump(include={"temperature", "top_p", "max_new_tokens", "max_total_tokens", "stop", "backend"})
+        rows = []
+        for (gi, prompt), s_eps in zip(groups, _chunks(list(zip(specs, episodes)), G)):
+            group_id = f"{batch_id}-g{gi:05d}"
+            for s, (spec, ep) in enumerate(s_eps):
+                rows.append(Rollout(
+                    rollout_id=f"{group_id}-s{s:03d}", batch_id=batch_id, policy_id=self.policy_id,
+                    task=self.task.name, split=split, prompt_id=prompt.prompt_id, group_id=group_id, sample_idx=s,
+                    messages=ep.messages, token_ids=ep.token_ids, loss_mask=ep.loss_mask,
+                    behavior_logprobs=ep.behavior_logprobs, num_turns=ep.num_turns, num_tool_calls=ep.num_tool_calls,
+                    finish_reason=ep.finish_reason, truncated=ep.truncated, metadata=prompt.metadata,
+                    sampling=sampling, seed=spec.seed, gen_seconds=ep.gen_seconds,
+                ))
+        return to_table(rows)
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec, split: str = "train",
+        step: int = 0, prompts_per_step: int | None = None) -> ArtifactRef:
+    """Generate (or return the existing) rollout batch of `policy_id` on step `step`'s prompts."""
+    n = prompts_per_step or config.prompts_per_step
+    prompts = select_prompts(load_task(task.name, task.params).prompts(split), n, step)
+    base_model, adapter_dir = resolve_policy(ctx.ws, policy_id)
+    stage_config = {"rollout": config.model_dump(exclude={"workers", "ray_address", "groups_per_shard"}),
+                    "task": task.model_dump(), "split": split, "step": step,
+                    "prompt_ids": [p.prompt_id for p in prompts]}
+    base_seed = config.seed * 1_000_003 + step * 10_007
+
+    def body(batch_id: str, mlflow_run_id: str) -> dict[str, float]:
+        shards = _chunks(list(enumerate(prompts)), config.groups_per_shard)
+        done = {f["part"] for f in ctx.ws.catalog.artifact_files(batch_id)}
+        todo = [(f"groups-{sh[0][0]:05d}", sh) for sh in shards if f"groups-{sh[0][0]:05d}" not in done]
+        t0 = time.perf_counter()
+        for part, table in _generate(config, base_model, adapter_dir, policy_id, task, batch_id, split, todo, base_seed):
+            ctx.ws.write_part("rollouts", batch_id, table, part=part)
+        return _metrics(ctx.ws.read_artifact(batch_id), time.perf_counter() - t0, resumed=len(shards) - len(todo))
+
+    return run_stage(ctx, "rollout", "rollouts", [policy_id], stage_config, body,
+                     meta={"step": step, "split": split, "policy_id": policy_id})
+
+
+def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, policy_id: str, task: TaskSpec,
+              batch_id: str, split: str, todo: list, base_seed: int):
+    """Yield (part name, table) for each shard, in completion order."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(todo), desc=f"rollout {batch_id}", unit="shard", file=sys.stderr, disable=not todo)
+    if config.workers == 1 or len(todo) <= 1:
+        worker = RolloutWorker(config, base_model, adapter_dir, policy_id, task) if todo else None
+        for part, shard in todo:
+            yield part, worker.run_shard(batch_id, split, shard, base_seed)
+            bar.update()
+        bar.close()
+        return
+
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address, num_cpus=None if config.ray_address else config.workers,
+                 include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    threads = max(1, (os.cpu_count() or 1) // config.workers)
+    Actor = ray.remote(num_cpus=1)(RolloutWorker)
+    actors = [Actor.remote(config, base_model, adapter_dir, policy_id, task, threads)
+              for _ in range(min(config.workers, len(todo)))]
+    pending = {actors[i % len(actors)].run_shard.remote(batch_id, split, shard, base_seed): part
+               for i, (part, shard) in enumerate(todo)}
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            part = pending.pop(ready[0])
+            yield part, ray.get(ready[0])
+            bar.update()
+    finally:
+        bar.close()
+        for a in actors:
+            ray.kill(a)
+
+
+def _metrics(table: pa.Table, seconds: float, resumed: int) -> dict[str, float]:
+    n = table.num_rows
+    sampled = pc.sum(pc.list_flatten(table["loss_mask"])).as_py() or 0
+    tool_errors = sum(
+        1 for msgs in table["messages"].to_pylist() for m in msgs
+        if m["role"] == "tool" and (m["content"] or "").startswith("error:")
+    )
+    reasons = pc.value_counts(table["finish_reason"]).to_pylist()
+    return {
+        "rollouts": n,
+        "mean_turns": pc.mean(table["num_turns"]).as_py(),
+        "tool_calls": pc.sum(table["num_tool_calls"]).as_py(),
+        "tool_errors": tool_errors,
+        "sampled_tokens": sampled,
+        "tokens_per_s": sampled / seconds if seconds > 0 else 0.0,
+        "truncated_frac": pc.mean(pc.cast(table["truncated"], pa.float64())).as_py(),
+        "resumed_shards": resumed,
+        **{f"finish_{r['values']}": r["counts"] / n for r in reasons},
+    }

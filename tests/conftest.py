@@ -1,0 +1,66 @@
+"""Shared fixtures: the real SmolLM2 tokenizer and a tiny random Llama built around it.
+
+Tests never run the 135M model; the tiny model has the real tokenizer and chat template, so
+everything about tokens and templates is exercised for real while a forward pass stays cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _few_threads() -> None:
+    # The test machine's cores are shared; tiny models gain nothing from more threads.
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The prepared SmolLM2-135M-Instruct folder (a no-op once prepared); used for its tokenizer."""
+    from stages.model import prepare_default_model
+
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: Path) -> Any:
+    """The real SmolLM2 tokenizer (chatml template, eos = pad = <|im_end|>), left padding."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    tok.padding_side = "left"
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """A folder with a tiny random LlamaForCausalLM (hidden 32, 2 layers, SmolLM2's vocabulary) and
+    the SmolLM2 tokenizer, loadable by path like any model (e.g. `load_policy(str(path))`)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
