@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.cli import command, print_rows
+from flows.registry import command, print_rows
 from flows.config import ConfigError
 
 

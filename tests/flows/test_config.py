@@ -1,0 +1,109 @@
+"""Configs are validated as a whole before any compute; every problem is listed in one message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.config import ConfigError, apply_overrides
+from flows.run_config import load_run_config
+
+GOOD = {
+    "name": "t",
+    "task": {"name": "arithmetic", "params": {"n_train": 20, "n_test": 5}},
+    "steps": 2,
+    "score": {"rewards": [{"name": "correct", "fn": "rewards.builtin.numeric_match"}]},
+}
+
+
+def _write(tmp_path: Path, data) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def _with(**changes):
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split("__")
+        for k in parents:
+            node = node.setdefault(k, {})
+        if value is KeyError:
+            node.pop(leaf)
+        else:
+            node[leaf] = value
+    return data
+
+
+def test_the_shipped_configs_and_a_minimal_one_are_valid(tmp_path):
+    for path in Path("configs").glob("*.yaml"):
+        load_run_config(path)
+    cfg = load_run_config(_write(tmp_path, GOOD), ["steps=3", "grpo.lr=5e-5", "rollout.stop=[x, y]"])
+    assert cfg.steps == 3 and cfg.grpo.lr == 5e-5 and cfg.rollout.stop == ["x", "y"]
+
+
+INVALID = [
+    ("unknown top-level key", _with(stpes=3), ["stpes: unknown key"]),
+    ("unknown nested key", _with(grpo__learning_rate=1e-4), ["grpo.learning_rate: unknown key"]),
+    ("wrong type", _with(steps="many"), ["steps:"]),
+    ("negative", _with(rollout__group_size=0), ["rollout.group_size:"]),
+    ("bad literal", _with(grpo__aggregation="mean"), ["grpo.aggregation:"]),
+    ("missing section", _with(score=KeyError), ["score: Field required"]),
+    ("several problems at once", _with(steps=-1, rollout__temperature="hot", eval__oops=1),
+     ["steps:", "rollout.temperature:", "eval.oops: unknown key"]),
+    ("unknown task", _with(task__name="no_such_task"), ["task: cannot load 'no_such_task'"]),
+    ("bad task params", _with(task__params={"digits": 0}), ["task: cannot load 'arithmetic'"]),
+    ("reward not importable", _with(score__rewards=[{"fn": "rewards.builtin.nope"}]), ["score.rewards:", "nope"]),
+    ("reward params it does not take", _with(score__rewards=[{"fn": "rewards.builtin.numeric_match", "params": {"x": 1}}]),
+     ["score.rewards:"]),
+    ("train reward not scored", _with(train_reward="style"), ["train_reward: 'style' is not one of"]),
+    ("temperature mismatch", _with(grpo__temperature=0.7), ["grpo.temperature (0.7) must equal rollout.temperature"]),
+    ("sft data missing", _with(sft={"data": "/nonexistent/demos.jsonl"}), ["sft.data: file not found"]),
+    ("bad run name", _with(name="my run!"), ["name:"]),
+]
+
+
+@pytest.mark.parametrize("label,data,expected", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_configs_list_every_problem(tmp_path, label, data, expected):
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, data))
+    for fragment in expected:
+        assert fragment in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("name: [unclosed", "not valid YAML"),
+    ("- a\n- b\n", "top level must be a mapping"),
+])
+def test_unreadable_files(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_run_config(_write(tmp_path, text))
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_run_config(tmp_path / "missing.yaml")
+
+
+def test_overrides():
+    assert apply_overrides({"a": {"b": 1}}, ["a.b=2", "a.c=true", "d=[1, 2]", "e=x=y"]) == \
+        {"a": {"b": 2, "c": True}, "d": [1, 2], "e": "x=y"}
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        apply_overrides({}, ["novalue"])
+    with pytest.raises(ConfigError, match="'a' is not a section"):
+        apply_overrides({"a": 1}, ["a.b=2"])
+
+
+def test_cli_rejects_a_bad_config_before_any_compute(tmp_path):
+    cfg = _write(tmp_path, _with(steps="many", grpo__lr="fast"))
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(cfg), "--workspace", str(tmp_path / "ws"),
+                          "--set", "rollout.workers=0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "3 problems" in out.stderr and "steps:" in out.stderr and "grpo.lr:" in out.stderr
+    assert "rollout.workers:" in out.stderr
+    assert not (tmp_path / "ws").exists()  # nothing was created, let alone computed
+    assert time.perf_counter() - t0 < 60
