@@ -1,0 +1,71 @@
+"""GRPO update alone on SmolLM2-135M-Instruct: trained tokens/s and peak RSS.
+
+A synthetic batch (4 prompts x G=8, ~40 prompt tokens, 32 completion tokens, random
+advantages, behaviour log-probs from the model itself) and a fresh LoRA (r=16 on q/k/v/o);
+no generation, no storage. Run: `.venv/bin/python bench/bench_grpo_update.py [--steps 3]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+
+
+def main(steps: int, micro_batch_size: int, threads: int | None) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.grpo import GRPOConfig, Sample, add_lora, train_on_batch
+    from stages.logprobs import token_logprobs
+    from stages.model import resolve_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    prompts, group, prompt_len, new_tokens = 4, 8, 40, 32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("SmolLM2-135M-Instruct"), dtype=torch.float32)
+    config = GRPOConfig(micro_batch_size=micro_batch_size)
+    model = add_lora(model, config.lora)
+    vocab = model.config.vocab_size
+
+    # Each group shares its prompt; lengths vary a little, as real completions do.
+    ids, masks = [], []
+    for p in range(prompts):
+        prompt = torch.randint(0, vocab, (prompt_len + p,)).tolist()
+        for _ in range(group):
+            ids.append(prompt + torch.randint(0, vocab, (new_tokens,)).tolist())
+            masks.append([0] * len(prompt) + [1] * new_tokens)
+    with torch.no_grad():  # behaviour log-probs from the model itself: the first pass is on-policy
+        T = max(map(len, ids))
+        x = torch.tensor([s + [0] * (T - len(s)) for s in ids])
+        attn = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in ids])
+        m = torch.tensor([s + [0] * (T - len(s)) for s in masks])
+        blp = token_logprobs(model, x, attn, m)  # (B, T)
+    samples = [Sample(s, mk, blp[i, : len(s)].tolist()) for i, (s, mk) in enumerate(zip(ids, masks))]
+    advantages = torch.randn(len(samples))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {len(samples)} sequences "
+          f"(prompt {prompt_len}-{prompt_len + prompts - 1} + {new_tokens} completion tokens), "
+          f"micro_batch_size {micro_batch_size}, LoRA r={config.lora.r} on {','.join(config.lora.target_modules)}")
+    for step in range(steps):
+        start, cpu = time.perf_counter(), time.process_time()
+        (metrics,) = train_on_batch(model, optimizer, samples, advantages, config)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        # CPU seconds too: on a shared machine wall time mostly measures the neighbours.
+        print(f"step {step}: {seconds:6.2f} s wall, {cpu:6.2f} s CPU  {metrics['tokens'] / seconds:6.1f} trained tokens/s  "
+              f"ratio_mean {metrics['ratio_mean']:.5f}  grad_norm {metrics['grad_norm']:.3f}  loss {metrics['loss']:+.4f}")
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    print(f"peak RSS {peak:.0f} MiB")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    main(args.steps, args.micro_batch_size, args.threads)
