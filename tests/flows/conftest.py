@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A real (temporary) Prefect server with its own database, for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):  # 2 slow cores: migrations take a while
+        yield
+
+
+def tiny_config(model_dir: Path, name: str = "e2e", steps: int = 2) -> dict[str, Any]:
+    """A complete pipeline config (SFT, rollouts, scoring, GRPO, evals) small enough for a tiny model."""
+    return {
+        "name": name,
+        "base_model": str(model_dir),
+        "task": {"name": "arithmetic", "params": {"n_train": 20, "n_test": 4}},
+        "steps": steps,
+        "sft": {"data": "oracle", "max_steps": 2, "batch_size": 2, "eval_fraction": 0.0},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "max_total_tokens": 128},
+        "score": {"rewards": [{"name": "correct", "fn": "rewards.builtin.numeric_match"},
+                              {"name": "short", "fn": "rewards.builtin.length_penalty", "params": {"limit": 8},
+                               "weight": 0.1}]},
+        "eval": {"n_prompts": 4, "every": 1, "metric": "correct"},
+    }
+
+
+def expected_rows(cfg: dict[str, Any]) -> dict[str, int]:
+    """Row counts of an uninterrupted run of `tiny_config`: training batches plus one eval batch
+    per evaluated policy (base, sft, every GRPO step with every=1)."""
+    steps, n, g = cfg["steps"], cfg["rollout"]["prompts_per_step"], cfg["rollout"]["group_size"]
+    evaluated = 2 + steps
+    rollouts = steps * n * g + evaluated * cfg["eval"]["n_prompts"]
+    return {"rollouts": rollouts, "rewards": rollouts * 3, "checkpoints": 2 + steps}
+
+
+@pytest.fixture
+def no_prefect_api(monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    return os.environ

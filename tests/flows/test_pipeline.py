@@ -1,0 +1,150 @@
+"""The pipeline end to end under Prefect with a tiny model: every stage, every view, MLflow, a report;
+killed and resumed; rescored and retrained without generation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import mlflow
+import pyarrow.parquet as pq
+import pytest
+
+from flows import pipeline
+from flows.run_config import from_dict
+from stages.common import StageContext
+from storage.workspace import Workspace
+from tests.flows.conftest import expected_rows, tiny_config
+
+
+def _counts(ws: Workspace) -> dict[str, int]:
+    q = ws.query
+    return {
+        "rollouts": q("SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"],
+        "rewards": q("SELECT count(*) AS n FROM rewards").to_pylist()[0]["n"],
+        "checkpoints": q("SELECT count(*) AS n FROM checkpoints WHERE kind != 'base'").to_pylist()[0]["n"] + 1,
+        "distinct_rollouts": q("SELECT count(DISTINCT rollout_id) AS n FROM rollouts").to_pylist()[0]["n"],
+        "distinct_rewards": q("SELECT count(DISTINCT (rollout_id, reward_name, reward_version)) AS n FROM rewards"
+                              ).to_pylist()[0]["n"],
+    }
+
+
+def test_flow_runs_every_stage_and_fills_every_view(prefect_harness, tmp_path, tiny_model_dir):
+    from flows.prefect_flows import train_flow
+    from flows.report import write_report
+
+    cfg = tiny_config(tiny_model_dir)
+    ws_dir = tmp_path / "ws"
+    summary = train_flow(cfg, str(ws_dir))
+    ws = Workspace.open(ws_dir)
+
+    counts = _counts(ws)
+    expected = expected_rows(cfg)
+    assert {k: counts[k] for k in expected} == expected
+    assert counts["distinct_rollouts"] == counts["rollouts"] and counts["distinct_rewards"] == counts["rewards"]
+    assert summary["sft"] and summary["final"] == summary["policies"][-1] and len(summary["policies"]) == 2
+    evals = ws.query("SELECT DISTINCT policy_id FROM evals").to_pylist()
+    assert {e["policy_id"] for e in evals} == {summary["base"], summary["sft"], *summary["policies"]}
+    lineage = {c["policy_id"]: c for c in ws.catalog.checkpoints("e2e")}
+    final = lineage[summary["final"]]
+    assert final["kind"] == "grpo" and final["step"] == 2 and final["trained_on"]["reward"].startswith("total@")
+    assert lineage[final["parent_id"]]["parent_id"] == summary["sft"]
+    assert ws.catalog.get_run("e2e")["status"] == "complete"
+
+    mlflow.set_tracking_uri(ws.settings.mlflow_uri)
+    children = mlflow.search_runs(experiment_names=["rlops"],
+                                  filter_string=f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}'")
+    stages = set(children["tags.rlops.stage"])
+    assert {"sft", "rollout", "reward_set", "grpo", "evaluate"} <= stages
+    assert set(children["tags.rlops.artifact_id"]) >= set(summary["policies"] + summary["batches"])
+
+    index = write_report(ws, "e2e")
+    assert index.exists() and (index.parent / "reward_by_step.png").stat().st_size > 1000
+    logged = mlflow.MlflowClient().list_artifacts(summary["mlflow_run_id"], "report")
+    assert {os.path.basename(a.path) for a in logged} >= {"index.html", "reward_by_step.png"}
+
+    # a rerun recomputes nothing: every stage is found in the catalog
+    again = train_flow(cfg, str(ws_dir))
+    assert again["final"] == summary["final"] and _counts(ws) == counts
+    statuses = ws.query("SELECT status, count(*) AS n FROM stage_runs GROUP BY 1").to_pylist()
+    assert {s["status"] for s in statuses} == {"complete", "cached"}
+
+
+KILL = textwrap.dedent("""
+    import sys
+    from flows.prefect_flows import train_flow
+    from tests.flows.conftest import tiny_config
+    from pathlib import Path
+    train_flow(tiny_config(Path(sys.argv[1]), steps=int(sys.argv[3])), sys.argv[2])
+""")
+
+
+def test_flow_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir, no_prefect_api):
+    from flows.prefect_flows import train_flow
+
+    ws_dir, steps = tmp_path / "ws", 3
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+    proc = subprocess.Popen([sys.executable, "-c", KILL, str(tiny_model_dir), str(ws_dir), str(steps)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the flow holds the catalog
+
+    def grpo_checkpoints() -> int:
+        return pq.read_table(snapshot)["kind"].to_pylist().count("grpo") if snapshot.exists() else 0
+
+    deadline = time.time() + 600
+    while grpo_checkpoints() < 1:
+        assert proc.poll() is None, "the flow ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    cfg = tiny_config(tiny_model_dir, steps=steps)
+    os.environ["PREFECT_HOME"] = str(tmp_path / "prefect")
+    try:
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=180):
+            summary = train_flow(cfg, str(ws_dir))
+    finally:
+        os.environ.pop("PREFECT_HOME")
+    ws = Workspace.open(ws_dir)
+    counts = _counts(ws)
+    expected = expected_rows(cfg)
+    assert {k: counts[k] for k in expected} == expected
+    assert counts["distinct_rollouts"] == counts["rollouts"] and counts["distinct_rewards"] == counts["rewards"]
+    assert len(summary["policies"]) == steps
+    assert ws.query("SELECT count(*) AS n FROM stage_runs WHERE status = 'cached'").to_pylist()[0]["n"] > 0
+
+
+def test_rescore_and_retrain_without_generation(tmp_path, tiny_model_dir):
+    ws = Workspace.open(tmp_path / "ws")
+    cfg_dict = tiny_config(tiny_model_dir, name="r")
+    cfg_dict["sft"] = None
+    cfg = from_dict(cfg_dict)
+    result = pipeline.train(cfg, StageContext(ws, run_name="r"))
+    rollouts_before = ws.query("SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"]
+
+    edited = dict(cfg_dict, score={"rewards": [{"name": "correct", "fn": "rewards.builtin.numeric_match"},
+                                               {"name": "short", "fn": "rewards.builtin.length_penalty",
+                                                "params": {"limit": 16}, "weight": 0.1}]})
+    new_cfg = from_dict(edited)
+    new_version = pipeline.score.versions(new_cfg.score)
+    ctx = StageContext(ws, run_name="r-retrain")
+    pipeline.rescore(new_cfg, ctx, "r")
+    lineage = pipeline.retrain(new_cfg, ctx, result.base, "r")
+
+    assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"] == rollouts_before  # nothing generated
+    assert ws.query(f"SELECT count(*) AS n FROM rewards WHERE reward_name = 'short' AND reward_version = "
+                    f"'{new_version['short']}'").to_pylist()[0]["n"] == 2 * 2 * 2  # both training batches
+    # 'correct' did not change, so it was not rescored: one version only
+    assert ws.query("SELECT count(DISTINCT reward_version) AS n FROM rewards WHERE reward_name = 'correct'").to_pylist() == [{"n": 1}]
+    assert len(lineage) == 2 and set(lineage).isdisjoint(result.policies)
+    new_final = ws.catalog.get_checkpoint(lineage[-1])
+    assert new_final["trained_on"]["reward"] == f"total@{new_version['total']}"
+    assert new_final["run_name"] == "r-retrain"
+    assert ws.catalog.get_checkpoint(lineage[0])["parent_id"] == result.base

@@ -1,0 +1,166 @@
+"""SFT warm-start on doc_search demonstrations with a tiny random Llama and the real SmolLM2 tokenizer:
+held-out loss goes down, the first assistant turn becomes a well-formed tool call, the checkpoint is
+registered with lineage and loads with peft, a rerun is a cache hit, and only assistant tokens carry loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stages.common import ArtifactRef, StageContext, base_policy
+from stages.sft import SFTConfig, build_trainer, load_conversations, run
+from storage.workspace import Workspace
+from tasks.base import parse_tool_calls
+from tasks.doc_search import TOOL_SPECS, write_oracle_dataset
+
+KNOWN_TOOLS = {spec["function"]["name"] for spec in TOOL_SPECS}
+
+# ~20 s of CPU training. Every linear layer gets a near-full-rank adapter and the learning rate is high
+# because a random 2-layer model has to learn the call format from scratch, not just be nudged towards it
+# (fewer steps or attention-only adapters left some seeds at 0 well-formed calls); max_length keeps the
+# prompt and the first call (~215 tokens), the turn the tool-call test samples.
+CONFIG = SFTConfig(
+    max_steps=100, lr=1e-2, batch_size=4, max_length=256, lora_r=64, lora_alpha=128, lora_dropout=0.0,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    eval_fraction=0.1, seed=0,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """A random LlamaForCausalLM (hidden 64, 2 layers) with SmolLM2's tokenizer. initializer_range 0.2
+    (not 0.02) gives the tied embeddings enough norm for a peaked next-token distribution: with 0.02 and
+    hidden 64 no logit can exceed ~1.3, so the loss could not fall much below ln(49152)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-64")
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Oracle demonstrations: 40 train questions (the stage holds 4 out) and 16 test-split questions."""
+    root = tmp_path_factory.mktemp("sft-data")
+    write_oracle_dataset(root / "train.jsonl", "train", n=40)
+    write_oracle_dataset(root / "test.jsonl", "test", n=16)
+    return {"train": root / "train.jsonl", "test": root / "test.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path,
+            data: dict[str, Path]) -> tuple[Workspace, ArtifactRef]:
+    ws = Workspace.open(tmp_path_factory.mktemp("ws"))
+    return ws, run(CONFIG, StageContext(ws, run_name="sft-test"), str(tiny_llama), str(data["train"]))
+
+
+def tool_call_rate(model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]]) -> float:
+    """Share of first assistant turns (greedy, from system + user) holding a call with valid JSON and a known tool."""
+    import torch
+
+    tokenizer.padding_side = "left"  # prompts must end at the same column for batched generation
+    prompts = [tokenizer.apply_chat_template(c[:2], tokenize=False, add_generation_prompt=True) for c in conversations]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    # parse_tool_calls leaves the name empty unless the body parsed as JSON
+    good = [any(call.name in KNOWN_TOOLS for call in parse_tool_calls(text, 0)) for text in texts]
+    return sum(good) / len(good)
+
+
+@pytest.mark.slow  # ~45 s on 2 shared cores, nearly all of it the module's one training run
+def test_sft_lowers_held_out_loss_and_teaches_tool_calls(trained: tuple[Workspace, ArtifactRef], tiny_llama: Path,
+                                                         data: dict[str, Path], tokenizer: Any) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ws, ref = trained
+    metrics = ws.catalog.get_artifact(ref.id)["meta"]["metrics"]
+    assert metrics["steps"] == CONFIG.max_steps and metrics["n_eval"] == 4 and metrics["n_train"] == 36
+    assert metrics["eval_loss_after"] < 0.5 * metrics["eval_loss_before"], metrics
+
+    test_conversations = load_conversations(data["test"])
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    base_rate = tool_call_rate(base, tokenizer, test_conversations)
+    adapter = ws.catalog.get_checkpoint(ref.id)["adapter_uri"]
+    sft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama), adapter).eval()
+    sft_rate = tool_call_rate(sft, tokenizer, test_conversations)
+    assert sft_rate >= base_rate + 0.25, (base_rate, sft_rate)
+
+
+@pytest.mark.slow  # shares the training run above
+def test_checkpoint_has_lineage_and_rerun_is_cached(trained: tuple[Workspace, ArtifactRef], tiny_llama: Path,
+                                                    data: dict[str, Path]) -> None:
+    from safetensors.torch import load_file
+
+    ws, ref = trained
+    row = ws.catalog.get_checkpoint(ref.id)
+    assert row["kind"] == "sft" and row["step"] == 0 and row["run_name"] == "sft-test"
+    assert row["parent_id"] == base_policy(ws, str(tiny_llama)) and row["base_model"] == str(tiny_llama)
+    assert row["trained_on"]["data"] == str(data["train"].resolve()) and len(row["trained_on"]["data_hash"]) == 16
+    losses = ws.tracker.client.get_metric_history(row["mlflow_run_id"], "loss")  # logged by the stage per step
+    assert sorted(m.step for m in losses) == list(range(1, CONFIG.max_steps + 1))
+    folder = Path(row["adapter_uri"])
+    assert folder == ws.root / "checkpoints" / ref.id
+    assert not list(folder.parent.glob("*.tmp-*"))  # the temporary folder was renamed, not left behind
+    weights = load_file(folder / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # B starts at 0: it trained
+    # The saved tokenizer keeps the model's own template; the generation markers were for training only.
+    assert "generation" not in json.dumps(json.loads((folder / "tokenizer_config.json").read_text()))
+    assert "{% generation %}" not in (folder / "chat_template.jinja").read_text()
+
+    again = run(CONFIG, StageContext(ws), str(tiny_llama), str(data["train"]))
+    assert again.id == ref.id and again.cached
+
+
+def test_loss_mask_covers_assistant_turns_only(tiny_llama: Path, data: dict[str, Path], tokenizer: Any,
+                                               tmp_path: Path) -> None:
+    conversations = load_conversations(data["train"])[:2]
+    config = CONFIG.model_copy(update={"max_length": 1024})  # whole episodes, all three assistant turns
+    trainer = build_trainer(config, str(tiny_llama), conversations, [], str(tmp_path))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    for row, conversation in enumerate(conversations):
+        ids, labels = batch["input_ids"][row], batch["labels"][row]
+        trained = (labels != -100).tolist()
+        assert (labels[labels != -100] == ids[labels != -100]).all()
+        # Contiguous runs of trained tokens, decoded: exactly each assistant message plus its stop token.
+        runs, start = [], None
+        for i, on in enumerate([*trained, False]):
+            if on and start is None:
+                start = i
+            elif not on and start is not None:
+                runs.append(tokenizer.decode(ids[start:i]))
+                start = None
+        expected = [m["content"] + "<|im_end|>" for m in conversation if m["role"] == "assistant"]
+        assert runs == expected
+
+
+def test_parquet_tool_calls_become_tool_call_text(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pydantic import ValidationError
+
+    call = {"id": "c0", "type": "function", "function": {"name": "search", "arguments": '{"query": "Vexhollow"}'}}
+    messages = [{"role": "user", "content": "q", "tool_calls": None},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "d12: Vexhollow", "tool_calls": None}]
+    pq.write_table(pa.Table.from_pylist([{"messages": messages}]), tmp_path / "d.parquet")
+    [conversation] = load_conversations(tmp_path / "d.parquet")
+    assert [m["role"] for m in conversation] == ["user", "assistant", "tool"]
+    [parsed] = parse_tool_calls(conversation[1]["content"], 0)
+    assert parsed.name == "search" and json.loads(parsed.arguments) == {"query": "Vexhollow"}
+    with pytest.raises(ValidationError):
+        SFTConfig(learning_rate=1e-4)  # a typo must not silently train with the default
