@@ -30,7 +30,7 @@ test: model
 	$(VENV)/bin/pytest
 
 demo: model
-	$(PY) -m flows.demo
+	$(VENV)/bin/rlops run configs/arithmetic.yaml
 
 bench: model
 	$(PY) bench/bench_storage.py

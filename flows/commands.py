@@ -24,10 +24,17 @@ def _config(args: argparse.Namespace):  # -> RunConfig
 
 
 def _prefect_env(workspace: Path) -> None:
-    """Keep Prefect's state in the workspace unless a server or home is configured."""
+    """Keep Prefect's state in the workspace unless a server or home is configured, and create the
+    MLflow database first, in this thread: its SQLite migrations must not race the temporary Prefect
+    server's own migrations or a stage thread."""
+    from storage.workspace import Workspace
+
+    Workspace.open(workspace).tracker
     if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
+        (workspace / "prefect").mkdir(parents=True, exist_ok=True)  # Prefect's SQLite cannot create the folder
         os.environ["PREFECT_HOME"] = str(workspace / "prefect")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # 2 slow cores
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids error spam
 
 
 def _workspace_path(args: argparse.Namespace) -> Path:

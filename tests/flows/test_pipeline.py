@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import mlflow
 import pyarrow.parquet as pq
-import pytest
+import yaml
 
 from flows import pipeline
 from flows.run_config import from_dict
@@ -74,22 +73,16 @@ def test_flow_runs_every_stage_and_fills_every_view(prefect_harness, tmp_path, t
     assert {s["status"] for s in statuses} == {"complete", "cached"}
 
 
-KILL = textwrap.dedent("""
-    import sys
-    from flows.prefect_flows import train_flow
-    from tests.flows.conftest import tiny_config
-    from pathlib import Path
-    train_flow(tiny_config(Path(sys.argv[1]), steps=int(sys.argv[3])), sys.argv[2])
-""")
-
-
-def test_flow_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir, no_prefect_api):
-    from flows.prefect_flows import train_flow
-
+def test_cli_run_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir, no_prefect_api):
+    """`rlops run` (its own temporary Prefect server, state in the workspace) killed after the first
+    GRPO checkpoint, then run again: it completes with exactly the rows of an uninterrupted run."""
     ws_dir, steps = tmp_path / "ws", 3
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
-    proc = subprocess.Popen([sys.executable, "-c", KILL, str(tiny_model_dir), str(ws_dir), str(steps)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = tiny_config(tiny_model_dir, steps=steps)
+    cfg_path = tmp_path / "e2e.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(cfg_path), "--workspace", str(ws_dir)]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_HOME"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the flow holds the catalog
 
     def grpo_checkpoints() -> int:
@@ -102,23 +95,20 @@ def test_flow_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir, n
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert grpo_checkpoints() < steps
 
-    cfg = tiny_config(tiny_model_dir, steps=steps)
-    os.environ["PREFECT_HOME"] = str(tmp_path / "prefect")
-    try:
-        from prefect.testing.utilities import prefect_test_harness
-
-        with prefect_test_harness(server_startup_timeout=180):
-            summary = train_flow(cfg, str(ws_dir))
-    finally:
-        os.environ.pop("PREFECT_HOME")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
     ws = Workspace.open(ws_dir)
     counts = _counts(ws)
     expected = expected_rows(cfg)
     assert {k: counts[k] for k in expected} == expected
     assert counts["distinct_rollouts"] == counts["rollouts"] and counts["distinct_rewards"] == counts["rewards"]
-    assert len(summary["policies"]) == steps
+    final = out.stdout.strip().splitlines()[-1]
+    assert ws.catalog.get_checkpoint(final)["step"] == steps  # the last line is the final policy id
+    assert "metric" in out.stdout and "accuracy" in out.stdout  # the base / sft / final table
     assert ws.query("SELECT count(*) AS n FROM stage_runs WHERE status = 'cached'").to_pylist()[0]["n"] > 0
+    assert (ws_dir / "prefect").is_dir()  # Prefect's state stayed in the workspace
 
 
 def test_rescore_and_retrain_without_generation(tmp_path, tiny_model_dir):
