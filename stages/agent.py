@@ -25,9 +25,10 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from stages.generate import Backend, Sample, SamplingConfig, decode_turn
 from storage.schema import Message, ToolCall
@@ -48,8 +49,10 @@ class Episode:
 
     `num_tool_calls` / `num_tool_errors` count the tool messages in `messages` (and those among
     them that report an error). `finish_reason` is "answer", "max_turns" (the last turn still
-    called a tool) or "max_tokens" (the `max_total_tokens` budget ran out). `truncated` is True when
-    the last assistant turn was cut by a length limit (the budget, or `max_new_tokens` of a turn).
+    called a tool; that call is not run) or "max_tokens" (the `max_total_tokens` budget ran out,
+    mid-turn or because the next tool results did not fit, which are then dropped: `messages`
+    hold exactly what the tokens hold). `truncated` is True when the last assistant turn was cut
+    by a length limit (the budget, or `max_new_tokens` of a turn).
     `gen_seconds` is the wall time from the start of the batch until this episode finished.
     """
 
@@ -93,9 +96,7 @@ class ChatFormat:
         already carries the call tags, and a template with native tool-call rendering would print
         the calls a second time, unlike what the model sampled."""
         dicts = [{k: v for k, v in m.to_openai().items() if k != "tool_calls"} for m in messages]
-        return self.tokenizer.apply_chat_template(
-            dicts, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        return self.tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         # No special tokens added: the template text already holds whatever BOS/markers it wants.

@@ -157,6 +157,9 @@ class HFBackend:
             temperature=1.0 if greedy else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p,
             top_k=0,  # transformers defaults to top_k=50; sample from the full distribution
+            # A model's generation_config may set a penalty (Qwen2.5-Instruct: 1.05); it would run
+            # before the recorder and make the recorded log-probs differ from the policy's.
+            repetition_penalty=1.0,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,

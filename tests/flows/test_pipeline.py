@@ -82,7 +82,8 @@ def test_cli_run_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir
     cfg_path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "flows.cli", "run", str(cfg_path), "--workspace", str(ws_dir)]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_HOME"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # its own process group: the temporary Prefect server it starts is killed with it
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the flow holds the catalog
 
     def grpo_checkpoints() -> int:
@@ -93,7 +94,7 @@ def test_cli_run_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir
         assert proc.poll() is None, "the flow ended before it could be killed"
         assert time.time() < deadline
         time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert grpo_checkpoints() < steps
 

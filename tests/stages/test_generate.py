@@ -1,0 +1,154 @@
+"""HFBackend and the agent loop on a tiny random Llama: seeding, log-probs against a fresh forward
+pass, stop strings, and a full multi-turn run_episodes; plus load_policy with a LoRA adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stages.agent import EpisodeSpec, run_episodes
+from stages.generate import HFBackend, SamplingConfig
+from stages.policy import load_policy
+from tasks.base import Prompt, Task
+
+QUESTIONS = ["Hi", "What is 12 + 30? Answer with a number.", "Tell me a long story about a cat who lives in Paris."]
+CALL = '<tool_call>{"name": "ping"}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir: Path) -> tuple[Any, Any]:
+    return load_policy(str(tiny_model_dir))
+
+
+def prompts(tokenizer: Any) -> list[list[int]]:
+    """Chat prompts of different lengths, so the batch is left-padded."""
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"] for c in chats]
+
+
+@torch.no_grad()
+def next_token_logits(model: Any, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits that predicted each of `tokens` after `prefix`, from one unpadded forward pass. (n, V)"""
+    ids = torch.tensor([prefix + tokens])  # (1, P + n)
+    return model(input_ids=ids).logits[0, len(prefix) - 1 : -1].float()
+
+
+def forward_logprobs(model: Any, prefix: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) at `tokens` (T = 1 for greedy). (n,)"""
+    logprobs = torch.log_softmax(next_token_logits(model, prefix, tokens) / (temperature or 1.0), dim=-1)
+    return logprobs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def test_load_policy(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    assert not model.training and tokenizer.padding_side == "left" and tokenizer.pad_token is not None
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_seeded_and_deterministic(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    backend, batch = HFBackend(model, tokenizer), prompts(tokenizer)
+    sampling = SamplingConfig(max_new_tokens=8)
+    first, again, other = (backend.generate(batch, sampling, seed) for seed in (1, 1, 2))
+    assert first == again
+    assert [s.token_ids for s in first] != [s.token_ids for s in other]
+    for s in first:
+        assert len(s.token_ids) == len(s.logprobs) and s.finish_reason in ("stop", "length")
+        assert s.text == tokenizer.decode([t for t in s.token_ids if t != tokenizer.eos_token_id])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_logprobs_match_a_fresh_forward_pass(policy: tuple[Any, Any], temperature: float, top_p: float) -> None:
+    model, tokenizer = policy
+    batch = prompts(tokenizer)
+    samples = HFBackend(model, tokenizer).generate(batch, SamplingConfig(temperature, top_p, max_new_tokens=10), seed=3)
+    for prefix, s in zip(batch, samples):
+        expected = forward_logprobs(model, prefix, s.token_ids, temperature)
+        assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4)
+        if temperature == 0:  # greedy: each token is the argmax
+            assert next_token_logits(model, prefix, s.token_ids).argmax(-1).tolist() == s.token_ids
+
+
+def test_stop_strings_cut_where_generation_stopped(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    backend, batch = HFBackend(model, tokenizer), prompts(tokenizer)[:1]
+    free = backend.generate(batch, SamplingConfig(max_new_tokens=12), seed=5)[0]
+    stop = tokenizer.decode(free.token_ids[2:4])  # a string the seeded sample reaches at token 4
+    stopped = backend.generate(batch, SamplingConfig(max_new_tokens=12, stop=(stop,)), seed=5)[0]
+    assert stopped.finish_reason == "stop" and stop in stopped.text
+    assert 0 < len(stopped.token_ids) <= 4 and free.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+    assert stopped.logprobs == free.logprobs[: len(stopped.token_ids)]
+
+
+def bias_towards(model: Any, tokenizer: Any, text: str, strength: float) -> Any:
+    """Make the random model likely to write `text` at the start of each assistant turn: a forward
+    hook adds `strength` to the logit of the token that follows the previous token in `text`
+    ("\\n", the end of every generation prompt, leads to its first token). A fresh forward pass
+    of the hooked model sees the same bias, so log-probs stay comparable."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    table = torch.full((len(tokenizer),), -1)
+    for prev, nxt in zip([tokenizer("\n", add_special_tokens=False)["input_ids"][0]] + ids, ids):
+        if table[prev] < 0:  # first wins: the closing tag's ">" ends the turn by stop string anyway
+            table[prev] = nxt
+
+    def hook(module: Any, args: Any, kwargs: dict, output: Any) -> Any:
+        logits = output.logits  # (B, T', V): during generation only the last position (T' = 1)
+        following = table[kwargs["input_ids"][:, -logits.shape[1] :]]  # (B, T')
+        b, t = (following >= 0).nonzero(as_tuple=True)
+        logits[b, t, following[b, t]] += strength
+        return output
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def test_run_episodes_matches_a_fresh_forward_pass(tiny_model_dir: Path) -> None:
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    handle = bias_towards(model, tokenizer, CALL, strength=12.0)  # a mix: calls, malformed calls, answers
+    task = Task(
+        name="ping",
+        system_prompt="Call ping.",
+        prompts=lambda split: [],
+        tools={"ping": lambda: "pong"},
+        tool_specs=[{"type": "function", "function": {"name": "ping", "description": "pong"}}],
+        max_turns=3,
+    )
+    specs = [EpisodeSpec(Prompt(f"p{k}", f"Question {k}", {}), seed=k) for k in range(6)]
+    sampling = SamplingConfig(temperature=0.8, max_new_tokens=20, stop=("</tool_call>",))
+    episodes = run_episodes(
+        HFBackend(model, tokenizer), tokenizer, task, specs, sampling, max_total_tokens=400, tool_timeout=5.0
+    )
+    try:
+        assert sum(ep.num_tool_calls for ep in episodes) >= 2  # the biased model did call the tool
+        assert any(m.content == "pong" for ep in episodes for m in ep.messages)
+        assert max(ep.num_turns for ep in episodes) >= 2
+        for ep in episodes:
+            rendered = tokenizer.apply_chat_template([m.to_openai() for m in ep.messages], tokenize=False)
+            assert tokenizer.decode(ep.token_ids) == rendered
+            mask = torch.tensor(ep.loss_mask, dtype=torch.bool)  # (T,)
+            expected = forward_logprobs(model, ep.token_ids[:1], ep.token_ids[1:], sampling.temperature)  # (T-1,)
+            recorded = torch.tensor(ep.behavior_logprobs)[1:]
+            assert not mask[0] and mask.sum() > 0
+            assert torch.allclose(recorded[mask[1:]], expected[mask[1:]], atol=1e-4)
+    finally:
+        handle.remove()
+
+
+def test_load_policy_with_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path)
+    assert (tmp_path / "adapter_model.safetensors").exists()
+    frozen, tokenizer = load_policy(str(tiny_model_dir), adapter_dir=str(tmp_path))
+    assert isinstance(frozen, PeftModel) and not frozen.training
+    assert not any(p.requires_grad for p in frozen.parameters())
+    batch = prompts(tokenizer)[:2]
+    (sample, _) = HFBackend(frozen, tokenizer).generate(batch, SamplingConfig(max_new_tokens=4), seed=0)
+    expected = forward_logprobs(frozen, batch[0], sample.token_ids, 1.0)
+    assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4)
+    trainable, _ = load_policy(str(tiny_model_dir), adapter_dir=str(tmp_path), trainable=True)
+    assert trainable.training and any(p.requires_grad for n, p in trainable.named_parameters() if "lora_" in n)
