@@ -40,8 +40,10 @@ def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_sta
     """Evaluate `policy_id`; returns the evals artifact (its rows are in the `evals` view)."""
     available = len(_task_prompts(task, config.split))
     n = min(config.n_prompts or available, available)
+    # Eval groups are small (often one greedy sample): batch ~32 episodes per generate call anyway.
     roll_cfg = rollout_config.model_copy(update={"temperature": config.temperature, "group_size": config.samples,
-                                                 "prompts_per_step": n})
+                                                 "prompts_per_step": n,
+                                                 "groups_per_shard": max(rollout_config.groups_per_shard, 32 // config.samples)})
     batch = rollout_stage.run(roll_cfg, ctx, policy_id, task, split=config.split, step=0)
     scored = score_stage.run(score_config, ctx, [batch.id])
     metric = config.metric or score_config.total or score_config.rewards[0].name
