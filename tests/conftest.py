@@ -64,3 +64,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> 
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
+    # mlflow.set_tracking_uri() exports MLFLOW_TRACKING_URI, which Settings honours (a remote server
+    # is a settings change): without this, one test's workspace would leak into the next.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
