@@ -20,6 +20,7 @@ from prefect.context import get_run_context
 from flows import pipeline
 from flows.run_config import RunConfig, from_dict
 from stages.common import ArtifactRef, StageContext
+from storage.schema import now
 from storage.workspace import Workspace
 
 TRANSIENT = (OSError, ConnectionError, TimeoutError)
@@ -60,7 +61,7 @@ def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.T
     ws.tracker.log_metrics(ctx.parent_run_id, {f"final.{k}": v for k, v in final.items()})
     ws.tracker.set_tags(ctx.parent_run_id, {"rlops.final_policy": result.final})
     ws.tracker.end_run(ctx.parent_run_id)
-    ws.catalog.upsert_run(cfg.name, cfg.model_dump(mode="json"), ctx.parent_run_id, "complete", finished_at=None)
+    ws.catalog.upsert_run(cfg.name, cfg.model_dump(mode="json"), ctx.parent_run_id, "complete", finished_at=now())
     rows = [{"policy": p, **{k: round(v, 4) for k, v in m.items()}} for p, m in result.evals.items()]
     if rows:
         create_table_artifact(rows, key=_key(cfg.name, "evals"), description=f"evaluations of run {cfg.name}")
@@ -138,7 +139,7 @@ def retrain_flow(config: dict[str, Any], from_policy: str, run_name: str, worksp
     lineage = pipeline.retrain(cfg, ctx, from_policy, run_name, prefect_call)
     ws.tracker.end_run(parent)
     ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
-                          parent, "complete")
+                          parent, "complete", finished_at=now())
     return lineage
 
 
