@@ -55,8 +55,12 @@ def judge_overhead(ws: Workspace, batch: str, groups: int) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), InstantJudge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     rollouts = from_table(ws.read_artifact(batch).slice(0, groups * 8), Rollout)
+    import os
+
+    os.environ["RLOPS_BENCH_JUDGE_KEY"] = "bench-key"
     spec = RewardSpec(fn="rewards.ruler.ruler_reward", params={
-        "model": "bench-judge", "base_url": f"http://127.0.0.1:{server.server_port}/v1", "api_key_env": "NONE_SET"})
+        "model": "bench-judge", "base_url": f"http://127.0.0.1:{server.server_port}/v1",
+        "api_key_env": "RLOPS_BENCH_JUDGE_KEY", "cache_dir": None})
     from rewards.base import compute
 
     t0 = time.perf_counter()

@@ -201,15 +201,17 @@ def cmd_rewards(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    cfg = argparse.ArgumentParser(add_help=False, parents=[common])
+    overrides = argparse.ArgumentParser(add_help=False, parents=[common])
+    overrides.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                           help="override a config value, e.g. --set grpo.lr=5e-5 (repeatable)")
+    cfg = argparse.ArgumentParser(add_help=False, parents=[overrides])
     cfg.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
-    cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set grpo.lr=5e-5 (repeatable)")
 
     sub.add_parser("run", parents=[cfg], help="run (or resume) the whole pipeline under Prefect")
 
-    p = sub.add_parser("stage", parents=[cfg], help="run one stage and print its artifact id")
+    p = sub.add_parser("stage", parents=[overrides], help="run one stage and print its artifact id")
     p.add_argument("stage", choices=["sft", "rollout", "score", "grpo", "evaluate"])
+    p.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
     p.add_argument("--policy", help="policy id (default/`base`: the config's base model)")
     p.add_argument("--rollouts", nargs="+", metavar="BATCH_ID", help="rollout batch ids (score, grpo)")
     p.add_argument("--reward", metavar="NAME[@VERSION]", help="reward to train on (grpo; default: latest version)")

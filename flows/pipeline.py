@@ -87,7 +87,10 @@ def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: 
             on_step({"eval": p, **result.evals[p]})
 
     for step in range(start_step, start_step + cfg.steps):
-        batch = call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, policy, cfg.task, "train", step)
+        # A continued lineage (a scheduled run) trains on prompts it has not seen first: rows added to
+        # the task's data since the last run are picked up at once.
+        fresh = unseen_prompts(cfg, ctx, cfg.rollout.prompts_per_step) if start_policy else None
+        batch = call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, policy, cfg.task, "train", step, None, fresh)
         scored = call(f"score-{step}", score.run, cfg.score, ctx, [batch.id])
         reward = f"{cfg.reward_name}@{score.versions(cfg.score)[cfg.reward_name]}"
         policy = call(f"grpo-{step}", grpo.run, cfg.grpo, ctx, policy, [batch.id], reward).id
@@ -104,6 +107,19 @@ def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: 
             on_step({"eval": policy, **result.evals[policy]})
     result.final = policy
     return result
+
+
+def unseen_prompts(cfg: RunConfig, ctx: StageContext, n: int) -> list[str] | None:
+    """The first `n` train prompts (in task order) that no training batch of this run has used, or None
+    when fewer than `n` are left (the step then cycles through the split as usual)."""
+    from tasks.base import load_task
+
+    name = (ctx.run_name or "").replace("'", "''")
+    used = {r["prompt_id"] for r in ctx.ws.query(
+        "SELECT DISTINCT r.prompt_id FROM rollouts r JOIN stage_runs s ON s.artifact_id = r.batch_id "
+        f"WHERE s.stage = 'rollout' AND s.run_name = '{name}' AND r.split = 'train'").to_pylist()}
+    unseen = [p.prompt_id for p in load_task(cfg.task.name, cfg.task.params).prompts("train") if p.prompt_id not in used]
+    return unseen[:n] if len(unseen) >= n else None
 
 
 def rescore(cfg: RunConfig, ctx: StageContext, run_name: str, call: Call = direct) -> list[ArtifactRef]:

@@ -18,11 +18,6 @@ def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callab
     return wrap
 
 
-def _workspace(args: argparse.Namespace):  # -> storage.workspace.Workspace
-    from storage.workspace import Workspace
-
-    return Workspace.open(args.workspace)
-
 # -- output ------------------------------------------------------------------------------
 
 

@@ -112,10 +112,19 @@ def _chunks(items: list, size: int) -> list[list]:
 
 
 def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec, split: str = "train",
-        step: int = 0, prompts_per_step: int | None = None) -> ArtifactRef:
-    """Generate (or return the existing) rollout batch of `policy_id` on step `step`'s prompts."""
+        step: int = 0, prompts_per_step: int | None = None, prompt_ids: list[str] | None = None) -> ArtifactRef:
+    """Generate (or return the existing) rollout batch of `policy_id` on step `step`'s prompts
+    (or on exactly `prompt_ids`, e.g. the prompts a scheduled run has not trained on yet)."""
     n = prompts_per_step or config.prompts_per_step
-    prompts = select_prompts(load_task(task.name, task.params).prompts(split), n, step)
+    available = load_task(task.name, task.params).prompts(split)
+    if prompt_ids is None:
+        prompts = select_prompts(available, n, step)
+    else:
+        by_id = {p.prompt_id: p for p in available}
+        missing = [i for i in prompt_ids if i not in by_id]
+        if missing:
+            raise KeyError(f"prompt ids not in the {split!r} split of {task.name}: {missing[:5]}")
+        prompts = [by_id[i] for i in prompt_ids]
     base_model, adapter_dir = resolve_policy(ctx.ws, policy_id)
     stage_config = {"rollout": config.model_dump(exclude={"workers", "ray_address", "groups_per_shard"}),
                     "task": task.model_dump(), "split": split, "step": step,

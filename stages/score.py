@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rewards.base import Outcome, RewardSpec, compute, fill_params, info, load_fn, reward_version, total_version, weighted_total
 from stages.common import CODE_VERSION, ArtifactRef, StageContext, run_stage
 from storage.ids import artifact_id, config_hash
-from storage.schema import RewardRow, Rollout, from_table, to_table
+from storage.schema import RewardRow, Rollout, from_table, now, to_table
 
 TOKEN_COLUMNS = ("token_ids", "loss_mask", "behavior_logprobs")
 
@@ -148,7 +148,8 @@ def _stored(ws, batch_id: str, name: str, version: str, rollouts: list[Rollout])
 def _write(ctx: StageContext, batch_id: str, name: str, version: str, rollouts: list[Rollout],
            outcomes: list[Outcome]) -> dict[str, float]:
     pid = part_id(batch_id, name, version)
-    rows = [RewardRow(r.rollout_id, batch_id, name, version, o.value, o.details, o.error, pid)
+    scored_at = now()  # one timestamp per part: datetime.now() per row was ~10 % of rescoring time
+    rows = [RewardRow(r.rollout_id, batch_id, name, version, o.value, o.details, o.error, pid, scored_at)
             for r, o in zip(rollouts, outcomes)]
     table = to_table(rows, RewardRow)
     ctx.ws.write_part("rewards", pid, table, part="part-00000")

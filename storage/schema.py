@@ -221,7 +221,9 @@ def _messages(col: pa.ListArray) -> list[list[Message]]:
     call_offsets = calls.offsets.to_pylist()
     cid, cname, cargs = (calls.values.field(f).to_pylist() for f in ("id", "name", "arguments"))
     messages = [
-        Message(role[i], content[i], [ToolCall(cid[j], cname[j], cargs[j]) for j in range(call_offsets[i], call_offsets[i + 1])],
+        Message(role[i], content[i],
+                [ToolCall(cid[j], cname[j], cargs[j]) for j in range(call_offsets[i], call_offsets[i + 1])]
+                if call_offsets[i] != call_offsets[i + 1] else [],
                 call_id[i], name[i])
         for i in range(len(flat))
     ]

@@ -3,6 +3,7 @@ killed and resumed; rescored and retrained without generation."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -139,3 +140,28 @@ def test_rescore_and_retrain_without_generation(tmp_path, tiny_model_dir):
     assert new_final["trained_on"]["reward"] == f"total@{new_version['total']}"
     assert new_final["run_name"] == "r-retrain"
     assert ws.catalog.get_checkpoint(lineage[0])["parent_id"] == result.base
+
+
+def test_a_continued_lineage_picks_up_prompts_added_since_the_last_run(tmp_path, tiny_model_dir):
+    data = tmp_path / "problems.jsonl"
+    rows = [{"question": f"What is {a} + 1?", "answer": a + 1, "split": "train"} for a in range(10, 14)]
+    rows.append({"question": "What is 50 + 50?", "answer": 100, "split": "test"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg_dict = tiny_config(tiny_model_dir, name="nightly")
+    cfg_dict.update(sft=None, task={"name": "arithmetic", "params": {"data_file": str(data)}})
+    cfg_dict["eval"]["n_prompts"] = 1
+    ws = Workspace.open(tmp_path / "ws")
+    ctx = StageContext(ws, run_name="nightly")
+    first = pipeline.train(from_dict(cfg_dict), ctx)  # 2 steps x 2 prompts: all four train rows
+
+    added = [{"question": f"What is {a} + 2?", "answer": a + 2, "split": "train"} for a in (70, 71)]
+    with data.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in added))
+    cfg_dict["steps"] = 1
+    latest = ws.catalog.get_checkpoint(first.final)
+    second = pipeline.train(from_dict(cfg_dict), ctx, start_policy=first.final, start_step=latest["step"])
+    questions = ws.query(f"SELECT DISTINCT messages[2].content AS q FROM rollouts WHERE batch_id = '{second.batches[0]}'"
+                         ).to_pylist()
+    assert sorted(r["q"] for r in questions) == ["What is 70 + 2?", "What is 71 + 2?"]
+    assert ws.catalog.get_checkpoint(second.final)["parent_id"] == first.final
+    assert ws.catalog.get_checkpoint(second.final)["step"] == 3

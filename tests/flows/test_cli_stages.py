@@ -1,0 +1,48 @@
+"""The stage commands of `rlops`, as a user runs them: each prints its artifact id as the last line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from storage.workspace import Workspace
+from tests.flows.conftest import tiny_config
+
+
+def _rlops(*args: str) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_stage_commands_chain_by_printed_ids(tmp_path, tiny_model_dir):
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(tiny_model_dir, name="cli")))
+    ws = ["--workspace", str(tmp_path / "ws")]
+
+    batch = _rlops("stage", "rollout", str(cfg), "--policy", "base", *ws).stdout.strip().splitlines()[-1]
+    assert batch.startswith("ro-")
+    scored = json.loads(_rlops("stage", "score", str(cfg), "--rollouts", batch, "--json", *ws).stdout.splitlines()[-1])
+    assert scored["artifact_id"].startswith("rs-")
+    policy = _rlops("stage", "grpo", str(cfg), "--policy", "base", "--rollouts", batch, "--reward", "total",
+                    "--set", "grpo.lr=1e-3", *ws).stdout.strip().splitlines()[-1]
+    assert policy.startswith("ck-")
+    sft = _rlops("stage", "sft", str(cfg), *ws).stdout.strip().splitlines()[-1]
+    for p in ("base", policy):
+        assert _rlops("stage", "evaluate", str(cfg), "--policy", p, *ws).stdout.strip().splitlines()[-1].startswith("ev-")
+
+    w = Workspace.open(tmp_path / "ws")
+    trained = w.catalog.get_checkpoint(policy)
+    assert trained["trained_on"]["batches"] == [batch] and trained["trained_on"]["reward"].startswith("total@")
+    assert trained["config_hash"] and w.catalog.get_checkpoint(sft)["kind"] == "sft"
+
+    base_id = trained["parent_id"]
+    compare = _rlops("eval", "compare", base_id, policy, *ws).stdout
+    assert "accuracy" in compare and base_id in compare and policy in compare
+    rewards = _rlops("rewards", "ls", *ws).stdout
+    assert "correct" in rewards and "total" in rewards and policy in rewards  # where each version was used
+    listing = _rlops("ls", "checkpoints", *ws).stdout
+    assert policy in listing and sft in listing
