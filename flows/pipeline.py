@@ -48,10 +48,8 @@ def sft_data(cfg: RunConfig, ws_root: Path) -> str:
     if not hasattr(module, "write_oracle_dataset"):
         raise ValueError(f"task {cfg.task.name!r} has no write_oracle_dataset: give sft.data a file")
     path = ws_root / "sft" / f"{cfg.task.name}-oracle.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    module.write_oracle_dataset(tmp, split="train", **cfg.task.params)
-    tmp.replace(path)  # whole file or none: its hash is part of the SFT checkpoint id
+    # Written whole or not at all (tasks.base.write_chat_jsonl): its hash is part of the SFT checkpoint id.
+    module.write_oracle_dataset(path, split="train", **cfg.task.params)
     return str(path)
 
 
