@@ -3,9 +3,11 @@
     .venv/bin/python bench/bench_score.py [--workspace /tmp/rlops-bench]
 
 Uses the workspace written by bench/bench_storage.py (1,000,000 rollouts in 100 batches; run that
-first). Reward: built-in exact_match + the weighted total. Reports the full rescoring time and the
-time with no reward changed (every part found in the catalog), and the judge's per-group overhead
-against a local HTTP endpoint that answers instantly.
+first). Each measurement edits a reward (a file wrapping the built-in exact_match, with a fresh
+constant in its source, so a new version) and rescores every rollout with it plus the weighted total,
+then scores again with nothing changed (every part found in the catalog). `--workers 1,2` measures
+in-process scoring and two Ray workers. Last, the judge's per-group overhead against a local HTTP
+endpoint that answers instantly.
 """
 
 from __future__ import annotations
@@ -72,16 +74,24 @@ def judge_overhead(ws: Workspace, batch: str, groups: int) -> None:
     server.shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workspace", default="/tmp/rlops-bench")
-    args = ap.parse_args()
-    ws = Workspace.open(args.workspace)
-    batches = [a["artifact_id"] for a in ws.catalog.artifacts("rollouts")]
-    rows = sum(a["rows"] for a in ws.catalog.artifacts("rollouts"))
-    if not batches:
-        sys.exit("no rollouts: run bench/bench_storage.py first")
-    config = score.ScoreConfig(rewards=[RewardSpec(fn="rewards.builtin.exact_match")])
+EDITED_REWARD = """
+from rewards.base import reward
+from rewards.builtin import exact_match
+
+EDIT = {edit!r}  # changing this text is the "edit": a new version, so every rollout is rescored
+
+
+@reward(low=0.0, high=1.0, uses=(exact_match, EDIT))
+def answer_match(rollout, key: str = "answer"):
+    return exact_match(rollout, key)
+"""
+
+
+def rescore(ws: Workspace, batches: list[str], workers: int, tmp: Path) -> tuple[float, float]:
+    """Edit the reward (new version), rescore every batch, then again unchanged: (full s, unchanged s)."""
+    reward_file = tmp / f"edited_{workers}.py"
+    reward_file.write_text(EDITED_REWARD.format(edit=f"{time.time_ns()}-{workers}"))
+    config = score.ScoreConfig(rewards=[RewardSpec(fn=f"{reward_file}:answer_match")], workers=workers)
     ctx = StageContext(ws, run_name="bench-rescore")
     t0 = time.perf_counter()
     ref = score.run(config, ctx, batches)
@@ -89,11 +99,32 @@ def main() -> None:
     t0 = time.perf_counter()
     again = score.run(config, ctx, batches)
     unchanged = time.perf_counter() - t0
-    assert again.cached and again.id == ref.id
-    print(f"rescore {rows:,} rollouts in {len(batches)} batches (exact_match + total): {full:.1f} s "
-          f"({rows / full:,.0f} rollouts/s)")
-    print(f"rescore again, no reward changed: {unchanged:.2f} s")
+    assert again.cached and again.id == ref.id and not ref.cached
+    return full, unchanged
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workspace", default="/tmp/rlops-bench")
+    ap.add_argument("--workers", default="1,2", help="comma-separated score.workers values to measure")
+    args = ap.parse_args()
+    ws = Workspace.open(args.workspace)
+    batches = [a["artifact_id"] for a in ws.catalog.artifacts("rollouts")]
+    rows = sum(a["rows"] for a in ws.catalog.artifacts("rollouts"))
+    if not batches:
+        sys.exit("no rollouts: run bench/bench_storage.py first")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            full, unchanged = rescore(ws, batches, workers, Path(tmp))
+            print(f"rescore {rows:,} rollouts in {len(batches)} batches after a reward edit (reward + total), "
+                  f"workers={workers}: {full:.1f} s ({rows / full:,.0f} rollouts/s); "
+                  f"again, no reward changed: {unchanged:.2f} s", flush=True)
     judge_overhead(ws, batches[0], groups=50)
+    import resource
+
+    print(f"peak RSS of the driver: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import numbers
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -120,6 +120,7 @@ class Outcome:
     value: float | None
     details: dict[str, Any] | None = None
     error: str | None = None
+    details_json: str | None = field(default=None, compare=False, repr=False)  # `details` encoded by `check`
 
 
 def load_fn(path: str) -> Callable[..., Any]:
@@ -222,13 +223,13 @@ def describe_error(e: BaseException) -> str:
 
 def check(result: Any, decl: RewardInfo) -> Outcome:
     """Turn what a reward returned into an Outcome, rejecting non-numbers, NaN/inf and out-of-range values."""
-    details = None
+    details = encoded = None
     if isinstance(result, tuple):
         if len(result) != 2 or not isinstance(result[1], dict):
             return Outcome(None, None, f"expected a float or (float, dict), got a tuple of {len(result)}")
         result, details = result
         try:
-            canonical_json(details)  # the stage writes details as JSON (DuckDB reads it): find out now, per row
+            encoded = canonical_json(details)  # the stage writes details as JSON (DuckDB reads it): find out now, per row
         except (TypeError, ValueError) as e:
             return Outcome(None, None, f"details are not JSON-serializable: {describe_error(e)}")
     # bool is a Number in Python, but a reward returning True is almost always a forgotten float(...)
@@ -239,7 +240,7 @@ def check(result: Any, decl: RewardInfo) -> Outcome:
         return Outcome(None, details, f"value is not finite: {value}")
     if not decl.low <= value <= decl.high:
         return Outcome(None, details, f"value {value} outside the declared range [{decl.low}, {decl.high}]")
-    return Outcome(value, details, None)
+    return Outcome(value, details, None, encoded)
 
 
 def _score_group(fn: Callable[..., Any], decl: RewardInfo, group: list[Rollout], params: dict[str, Any]) -> list[Outcome]:

@@ -16,8 +16,11 @@ summary before writing that reward's rows (nothing partial is ever visible).
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pyarrow as pa
@@ -27,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from rewards.base import Outcome, RewardSpec, compute, fill_params, info, load_fn, reward_version, total_version, weighted_total
 from stages.common import CODE_VERSION, ArtifactRef, StageContext, run_stage
 from storage.ids import artifact_id, config_hash
-from storage.schema import RewardRow, Rollout, from_table, now, to_table
+from storage.parquet import DataStore
+from storage.schema import ROLLOUTS, Rollout, from_table, now, reward_table
 
 TOKEN_COLUMNS = ("token_ids", "loss_mask", "behavior_logprobs")
 
@@ -63,68 +67,109 @@ def run(config: ScoreConfig, ctx: StageContext, batches: list[str]) -> ArtifactR
     stage_config = {"rewards": vers, "total": config.total}
 
     def body(set_id: str, mlflow_run_id: str) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        for batch_id in batches:
-            metrics.update(_score_batch(config, ctx, specs, vers, batch_id))
-        return metrics
+        return _score_batches(config, ctx, specs, vers, batches)
 
     return run_stage(ctx, "reward_set", "reward_set", list(batches), stage_config, body,
                      meta={"rewards": vers, "parts": {b: {n: part_id(b, n, v) for n, v in vers.items()} for b in batches}})
 
 
-def _score_batch(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpec], vers: dict[str, str],
-                 batch_id: str) -> dict[str, float]:
+def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpec], vers: dict[str, str],
+                   batches: list[str]) -> dict[str, float]:
+    """Score what is missing of every batch; batches are computed in Ray workers when `workers > 1`
+    and every missing reward is per-rollout (judges keep their requests in driver threads)."""
     ws = ctx.ws
-    if ws.catalog.get_artifact(batch_id) is None:
-        raise KeyError(f"rollout batch {batch_id!r} is not a complete artifact in this workspace")
-    missing = [s for s in specs if ws.catalog.get_artifact(part_id(batch_id, s.name, vers[s.name])) is None]
-    total_missing = config.total and ws.catalog.get_artifact(part_id(batch_id, config.total, vers[config.total])) is None
-    if not missing and not total_missing:
-        return {}
-    needs_tokens = any(info(load_fn(s.fn)).tokens for s in missing)
-    rollouts = _load(ws, batch_id, needs_tokens)
+    present = ws.catalog.complete_ids(batches)
+    absent = [b for b in batches if b not in present]
+    if absent:
+        raise KeyError(f"rollout batch(es) {', '.join(map(repr, absent))} are not complete artifacts in this workspace")
+    # Two catalog queries for all batches (not a few per batch): each DuckDB connection costs ~10 ms.
+    scored = set() if ctx.force else ws.catalog.complete_ids([part_id(b, n, v) for b in batches for n, v in vers.items()])
+    files = ws.catalog.files_of(batches)
+    todo: list[tuple[str, list[str], list[RewardSpec], bool]] = []  # (batch, files, missing specs, total missing)
+    for batch_id in batches:
+        done = {n for n, v in vers.items() if part_id(batch_id, n, v) in scored}
+        missing = [s for s in specs if s.name not in done]
+        total_missing = bool(config.total) and config.total not in done
+        if missing or total_missing:
+            todo.append((batch_id, files[batch_id], missing, total_missing))
+    stats: dict[str, list[float]] = {}  # name -> [count, sum, sum of squares, errors] over all batches
+    for (batch_id, _, missing, total_missing), (ids, computed) in zip(todo, _outcomes_of(config, ctx, todo)):
+        for spec in missing:
+            _check_errors(spec.name, computed[spec.name], config.max_error_fraction)
+        parts = {s.name: computed[s.name] for s in missing}
+        if total_missing:
+            components = [computed.get(s.name) or _stored(ws, batch_id, s.name, vers[s.name], ids) for s in specs]
+            parts[config.total] = weighted_total(specs, components)
+        _write(ctx, batch_id, vers, ids, parts, stats)
     metrics: dict[str, float] = {}
-    computed: dict[str, list[Outcome]] = {}
-    for spec in missing:
-        outcomes = _compute(spec, rollouts, config.workers)
-        _check_errors(spec.name, outcomes, config.max_error_fraction)
-        computed[spec.name] = outcomes
-    for spec in missing:  # write only after every computed reward passed its error check
-        metrics.update(_write(ctx, batch_id, spec.name, vers[spec.name], rollouts, computed[spec.name]))
-    if total_missing:
-        components = [computed.get(s.name) or _stored(ws, batch_id, s.name, vers[s.name], rollouts) for s in specs]
-        outcomes = weighted_total(specs, components)
-        metrics.update(_write(ctx, batch_id, config.total, vers[config.total], rollouts, outcomes))
+    for name, (n, total, squares, errors) in stats.items():
+        mean = total / n if n else float("nan")
+        metrics.update({f"{name}.mean": mean, f"{name}.std": max(squares / n - mean * mean, 0.0) ** 0.5 if n else float("nan"),
+                        f"{name}.errors": errors})
     return metrics
 
 
-def _load(ws, batch_id: str, needs_tokens: bool) -> list[Rollout]:
-    """The batch's rollouts; without the token lists unless a reward reads them (converting ~300
-    token ids per rollout to Python objects would dominate the cost of rescoring)."""
-    if needs_tokens:
-        return from_table(ws.read_artifact(batch_id), Rollout)
-    from storage.schema import ROLLOUTS
-
-    table = ws.read_artifact(batch_id, columns=[n for n in ROLLOUTS.names if n not in TOKEN_COLUMNS])
-    for col in TOKEN_COLUMNS:
-        typ = ROLLOUTS.field(col).type
-        table = table.append_column(col, pa.array([[]] * table.num_rows, type=typ))
-    return from_table(table, Rollout)
-
-
-def _compute(spec: RewardSpec, rollouts: list[Rollout], workers: int) -> list[Outcome]:
-    decl = info(load_fn(spec.fn))
-    if workers <= 1 or decl.kind == "group":
-        # Group rewards (judges) are I/O bound: threads keep `workers` requests in flight.
-        return compute(spec, rollouts, workers=workers)
+def _outcomes_of(config: ScoreConfig, ctx: StageContext, todo: list) -> Iterator[tuple[list[str], dict[str, list[Outcome]]]]:
+    """(rollout ids, reward name -> outcomes) per batch of `todo`, in order."""
+    root = ctx.ws.data.root
+    remote = config.workers > 1 and all(info(load_fn(s.fn)).kind == "rollout" for _, _, m, _ in todo for s in m)
+    if not remote:
+        for _, files, missing, _ in todo:
+            yield score_files(root, files, missing, workers=config.workers)
+        return
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    remote = ray.remote(compute)
-    step = -(-len(rollouts) // workers)
-    chunks = [rollouts[i : i + step] for i in range(0, len(rollouts), step)]
-    return [o for part in ray.get([remote.remote(spec, c) for c in chunks]) for o in part]
+        ray.init(num_cpus=config.workers, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    task = ray.remote(score_files)
+    window = 2 * config.workers  # enough in flight to keep every worker busy while the driver writes
+    pending = [task.remote(root, files, missing) for _, files, missing, _ in todo[:window]]
+    for i in range(len(todo)):
+        result = ray.get(pending[i])
+        pending[i] = None  # drop the reference: the object store frees the batch
+        if i + window < len(todo):
+            _, files, missing, _ = todo[i + window]
+            pending.append(task.remote(root, files, missing))
+        yield result
+
+
+def score_files(data_root: str, files: list[str], specs: list[RewardSpec], workers: int = 1
+                ) -> tuple[list[str], dict[str, list[Outcome]]]:
+    """Read one rollout batch's files and compute `specs` over it: (rollout ids, name -> outcomes).
+
+    Self-contained (a data root, paths, specs in; plain values out), so it runs the same in the
+    driver and in a Ray worker. `workers` > 1 gives group rewards (judges) that many request threads.
+    """
+    needs_tokens = any(info(load_fn(s.fn)).tokens for s in specs)
+    with _gc_paused():
+        rollouts = _load(DataStore(data_root), files, needs_tokens)
+        computed = {s.name: compute(s, rollouts, workers=workers if info(load_fn(s.fn)).kind == "group" else 1)
+                    for s in specs}
+        return [r.rollout_id for r in rollouts], computed
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Rollout records hold no reference cycles, so reference counting frees them; the cyclic GC only
+    rescans the ever-growing heap while a batch is decoded (that doubled the cost of rescoring)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _load(data: DataStore, files: list[str], needs_tokens: bool) -> list[Rollout]:
+    """The batch's rollouts; without the token lists unless a reward reads them (converting ~300
+    token ids per rollout to Python objects would dominate the cost of rescoring)."""
+    if needs_tokens:
+        return from_table(data.read(files), Rollout)
+    table = data.read(files, columns=[n for n in ROLLOUTS.names if n not in TOKEN_COLUMNS])
+    for col in TOKEN_COLUMNS:
+        table = table.append_column(col, pa.array([[]] * table.num_rows, type=ROLLOUTS.field(col).type))
+    return from_table(table, Rollout)
 
 
 def _check_errors(name: str, outcomes: list[Outcome], max_fraction: float) -> None:
@@ -138,31 +183,38 @@ def _check_errors(name: str, outcomes: list[Outcome], max_fraction: float) -> No
                          f"(> {max_fraction:.0%} allowed); most common: {top}")
 
 
-def _stored(ws, batch_id: str, name: str, version: str, rollouts: list[Rollout]) -> list[Outcome]:
-    """Outcomes of an already-scored component, aligned with `rollouts` (for the weighted total)."""
+def _stored(ws, batch_id: str, name: str, version: str, rollout_ids: list[str]) -> list[Outcome]:
+    """Outcomes of an already-scored component, aligned with `rollout_ids` (for the weighted total)."""
     table = ws.read_artifact(part_id(batch_id, name, version), columns=["rollout_id", "value", "error"])
-    by_id = {r["rollout_id"]: Outcome(r["value"], None, r["error"]) for r in table.to_pylist()}
-    return [by_id.get(r.rollout_id, Outcome(None, None, "no stored value")) for r in rollouts]
+    by_id = dict(zip(table["rollout_id"].to_pylist(), zip(table["value"].to_pylist(), table["error"].to_pylist())))
+    return [Outcome(*by_id[r]) if r in by_id else Outcome(None, None, "no stored value") for r in rollout_ids]
 
 
-def _write(ctx: StageContext, batch_id: str, name: str, version: str, rollouts: list[Rollout],
-           outcomes: list[Outcome]) -> dict[str, float]:
-    pid = part_id(batch_id, name, version)
-    scored_at = now()  # one timestamp per part: datetime.now() per row was ~10 % of rescoring time
-    rows = [RewardRow(r.rollout_id, batch_id, name, version, o.value, o.details, o.error, pid, scored_at)
-            for r, o in zip(rollouts, outcomes)]
-    table = to_table(rows, RewardRow)
-    ctx.ws.write_part("rewards", pid, table, part="part-00000")
-    ctx.ws.catalog.complete_artifact(pid, "rewards", "score", [batch_id], config_hash({"reward": name, "version": version}),
-                                     meta={"reward_name": name, "reward_version": version})
-    values = pc.drop_null(table["value"])
-    n_err = table.num_rows - len(values)
-    mean = pc.mean(values).as_py() if len(values) else float("nan")
-    std = pc.stddev(values).as_py() if len(values) else float("nan")
-    errors = [o.error for o in outcomes if o.error]
-    print(f"scored {batch_id} {name}@{version}: mean {mean:.4g} std {std:.4g} over {len(values)} rollouts"
-          + (f", {n_err} errors (first: {errors[0]})" if n_err else ""), file=sys.stderr)
-    return {f"{name}.mean": mean, f"{name}.std": std, f"{name}.errors": n_err}
+def _write(ctx: StageContext, batch_id: str, vers: dict[str, str], rollout_ids: list[str],
+           parts: dict[str, list[Outcome]], stats: dict[str, list[float]]) -> None:
+    """Write one `rewards` artifact per reward name of `parts`, all made visible in one catalog
+    transaction; add each one's count, sum, sum of squares and errors to `stats`."""
+    scored_at = now()  # one timestamp per batch: datetime.now() per row was ~10 % of rescoring time
+    items = []
+    for name, outcomes in parts.items():
+        pid = part_id(batch_id, name, vers[name])
+        table = reward_table(rollout_ids, batch_id, name, vers[name], [o.value for o in outcomes],
+                             [o.details_json or o.details for o in outcomes], [o.error for o in outcomes], pid, scored_at)
+        items.append((pid, table, [batch_id], config_hash({"reward": name, "version": vers[name]}),
+                      {"reward_name": name, "reward_version": vers[name]}))
+        values = pc.drop_null(table["value"])
+        n_err = table.num_rows - len(values)
+        mean = pc.mean(values).as_py() if len(values) else float("nan")
+        std = pc.stddev(values).as_py() if len(values) else float("nan")
+        first = next((o.error for o in outcomes if o.error), None)
+        print(f"scored {batch_id} {name}@{vers[name]}: mean {mean:.4g} std {std:.4g} over {len(values)} rollouts"
+              + (f", {n_err} errors (first: {first})" if n_err else ""), file=sys.stderr)
+        acc = stats.setdefault(name, [0, 0.0, 0.0, 0])
+        acc[0] += len(values)
+        acc[1] += pc.sum(values).as_py() or 0.0
+        acc[2] += pc.sum(pc.multiply(values, values)).as_py() or 0.0
+        acc[3] += n_err
+    ctx.ws.write_artifacts("rewards", "score", items)
 
 
 def latest_version(ws, batches: list[str], name: str) -> str:

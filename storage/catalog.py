@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
@@ -44,6 +45,18 @@ DDL = {
         run_name VARCHAR PRIMARY KEY, config JSON, mlflow_run_id VARCHAR, status VARCHAR,
         started_at TIMESTAMPTZ, finished_at TIMESTAMPTZ""",
 }
+
+
+@dataclass(frozen=True)
+class Published:
+    """One written file that is a whole artifact, for `Catalog.publish`."""
+
+    artifact_id: str
+    info: FileInfo
+    part: str
+    inputs: list[str]
+    config_hash: str
+    meta: dict[str, Any] | None = None
 
 
 class Catalog:
@@ -134,10 +147,45 @@ class Catalog:
             ],
         )
 
+    def publish(self, kind: str, stage: str, entries: list[Published]) -> None:
+        """Register single-file artifacts and mark them complete, all in one transaction.
+
+        For stages that write many small artifacts at once (the score stage writes one per reward
+        and rollout batch): one connection and one snapshot instead of three of each per artifact.
+        """
+        if not entries:
+            return
+        t = now()
+        statements: list[tuple[str, list[Any]]] = []
+        for e in entries:
+            statements.append(("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
+                               [e.info.path, e.artifact_id, kind, e.part, e.info.rows, e.info.bytes, t]))
+            statements.append(("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, 'complete', ?, ?, ?, ?, ?, ?)",
+                               [e.artifact_id, kind, stage, json.dumps(e.inputs), e.config_hash, e.info.rows,
+                                json.dumps(e.meta or {}), t, t]))
+        self._write(["files", "artifacts"], statements)
+
     def get_artifact(self, artifact_id: str) -> dict[str, Any] | None:
         """The artifact's row if it is complete, else None."""
         rows = self._rows("SELECT * FROM artifacts WHERE artifact_id = ? AND status = 'complete'", [artifact_id])
         return _decode(rows[0]) if rows else None
+
+    def complete_ids(self, artifact_ids: list[str]) -> set[str]:
+        """Which of `artifact_ids` are complete artifacts (one query for many ids)."""
+        if not artifact_ids:
+            return set()
+        rows = self._rows("SELECT artifact_id FROM artifacts WHERE status = 'complete' AND list_contains(?, artifact_id)",
+                          [list(artifact_ids)])
+        return {r["artifact_id"] for r in rows}
+
+    def files_of(self, artifact_ids: list[str]) -> dict[str, list[str]]:
+        """artifact id -> paths of its registered files in part order (one query for many ids)."""
+        rows = self._rows("SELECT artifact_id, path FROM files WHERE list_contains(?, artifact_id) ORDER BY artifact_id, part",
+                          [list(artifact_ids)]) if artifact_ids else []
+        out: dict[str, list[str]] = {a: [] for a in artifact_ids}
+        for r in rows:
+            out[r["artifact_id"]].append(r["path"])
+        return out
 
     def artifact_files(self, artifact_id: str) -> list[dict[str, Any]]:
         """All registered files of an artifact (complete or not), ordered by part name."""

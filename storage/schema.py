@@ -243,4 +243,36 @@ def from_table(table: pa.Table, cls: type[R]) -> list[R]:
     """Arrow table (from Parquet or DuckDB) -> records. Extra columns are ignored."""
     names = [f.name for f in fields(cls) if f.name in table.column_names or f.name != "num_tokens"]
     columns = [_column(table, n) for n in names]
-    return [cls(**dict(zip(names, values))) for values in zip(*columns)]
+    # `names` is a prefix of the fields in order (only the trailing derived num_tokens may be left
+    # out), so positional construction is exact, and ~2x faster than keywords on a million rows.
+    return [cls(*values) for values in zip(*columns)]
+
+
+def reward_table(rollout_ids: pa.Array | list[str], batch_id: str, reward_name: str, reward_version: str,
+                 values: list[float | None], details: list[dict[str, Any] | str | None], errors: list[str | None],
+                 score_batch_id: str, scored_at: datetime) -> pa.Table:
+    """The `rewards` rows of one reward version over one rollout batch, built column-wise.
+
+    Equal to `to_table([RewardRow(...) ...])` without a Python object per row: the score stage
+    writes millions of these when it rescores. A `details` entry may be given already JSON-encoded.
+    """
+    n = len(rollout_ids)
+    if not len(values) == len(details) == len(errors) == n:
+        raise ValueError("rollout_ids, values, details and errors must be equally long")
+
+    def same(value: Any, typ: pa.DataType) -> pa.Array:
+        return pa.repeat(pa.scalar(value, typ), n)
+
+    columns = [
+        pa.array(rollout_ids, pa.string()),
+        same(batch_id, pa.string()),
+        same(reward_name, pa.string()),
+        same(reward_version, pa.string()),
+        pa.array(values, pa.float64()),
+        pa.array([d if d is None or isinstance(d, str) else _encode("details", d) for d in details], pa.string()),
+        pa.array(errors, pa.string()),
+        same(score_batch_id, pa.string()),
+        same(scored_at, TS),
+        same(SCHEMA_VERSION, pa.int32()),
+    ]
+    return pa.Table.from_arrays(columns, schema=REWARDS)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from storage.catalog import Catalog
+from storage.catalog import Catalog, Published
 from storage.parquet import DataStore, FileInfo
 from storage.settings import Settings
 
@@ -49,6 +49,13 @@ class Workspace:
         info = self.data.write(kind, artifact_id, table, part=part)
         self.catalog.register_file(artifact_id, kind, info, part)
         return info
+
+    def write_artifacts(self, kind: str, stage: str, items: list[tuple[str, pa.Table, list[str], str, dict]]) -> None:
+        """Write several single-file artifacts `(artifact_id, table, inputs, config_hash, meta)`, then
+        register and complete them all in one catalog transaction: each is visible whole or not at all."""
+        published = [Published(aid, self.data.write(kind, aid, table, part="part-00000"), "part-00000", inputs, chash, meta)
+                     for aid, table, inputs, chash, meta in items]
+        self.catalog.publish(kind, stage, published)
 
     def read_artifact(self, artifact_id: str, columns: list[str] | None = None) -> pa.Table:
         """All rows of a (complete or in-progress) artifact's registered files."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -116,9 +117,18 @@ def test_failures_are_rows_and_too_many_fail_the_stage_writing_nothing(env):
 
 def test_two_ray_workers_score_like_one(env):
     ws, ctx, reward_file, counter, batch = env
-    one = score.run(_config(reward_file, total=None), ctx, [batch])
-    rows_one = ws.query("SELECT rollout_id, reward_name, value FROM rewards ORDER BY ALL").to_pylist()
-    ws2_ctx = StageContext(ws, run_name="t", force=True)
-    two = score.run(_config(reward_file, total=None, workers=2), ws2_ctx, [batch])
+    reward_file.write_text(CUSTOM + textwrap.dedent('''
+        @reward(low=0.0, high=1.0)
+        def where(rollout):
+            return float(rollout.sample_idx % 2), {"pid": os.getpid()}
+    '''))
+    config = score.ScoreConfig(rewards=[RewardSpec(fn="rewards.builtin.exact_match"), RewardSpec(fn=f"{reward_file}:where")])
+    one = score.run(config, ctx, [batch])
+    query = "SELECT rollout_id, reward_name, value FROM rewards ORDER BY ALL"
+    rows_one = ws.query(query).to_pylist()
+    two = score.run(config.model_copy(update={"workers": 2}), StageContext(ws, run_name="t", force=True), [batch])
     assert two.id == one.id  # workers is not part of the identity
-    assert ws.query("SELECT rollout_id, reward_name, value FROM rewards ORDER BY ALL").to_pylist() == rows_one
+    assert ws.query(query).to_pylist() == rows_one
+    pids = {r["pid"] for r in ws.query("SELECT json_extract(details, '$.pid')::INT AS pid FROM rewards "
+                                       "WHERE reward_name = 'where'").to_pylist()}
+    assert len(pids) == 1 and os.getpid() not in pids  # the forced rescoring ran in a Ray worker

@@ -92,3 +92,26 @@ def test_checkpoints_stage_runs_and_runs_round_trip(ws):
     assert ws.query("SELECT policy_id, stage FROM checkpoints JOIN stage_runs ON policy_id = artifact_id").to_pylist() == [
         {"policy_id": "ck-1", "stage": "grpo"}
     ]
+
+
+def test_write_artifacts_publishes_several_at_once_and_reward_table_matches_records(ws):
+    from storage.schema import RewardRow, now, reward_table
+
+    at = now()
+    rows = [RewardRow("r1", "ro-x", "m", "v1", 1.0, {"k": [1, 2]}, None, "rw-a", at),
+            RewardRow("r2", "ro-x", "m", "v1", None, None, "ValueError: bad", "rw-a", at)]
+    table = reward_table(["r1", "r2"], "ro-x", "m", "v1", [1.0, None], [{"k": [1, 2]}, None],
+                         [None, "ValueError: bad"], "rw-a", at)
+    assert table.equals(to_table(rows, RewardRow))
+    other = reward_table(["r1"], "ro-x", "n", "v1", [0.5], ['{"pre": "encoded"}'], [None], "rw-b", at)
+    assert ws.catalog.complete_ids(["rw-a", "rw-b"]) == set()
+
+    ws.write_artifacts("rewards", "score", [("rw-a", table, ["ro-x"], "h1", {"reward_name": "m"}),
+                                           ("rw-b", other, ["ro-x"], "h2", None)])
+    assert ws.catalog.complete_ids(["rw-a", "rw-b", "rw-c"]) == {"rw-a", "rw-b"}
+    assert {a: len(p) for a, p in ws.catalog.files_of(["rw-a", "rw-b", "rw-c"]).items()} == {"rw-a": 1, "rw-b": 1, "rw-c": 0}
+    assert ws.catalog.get_artifact("rw-a")["rows"] == 2 and ws.catalog.get_artifact("rw-a")["meta"] == {"reward_name": "m"}
+    got = ws.query("SELECT reward_name, value, details, error FROM rewards ORDER BY reward_name, rollout_id").to_pylist()
+    assert got == [{"reward_name": "m", "value": 1.0, "details": '{"k": [1, 2]}', "error": None},
+                   {"reward_name": "m", "value": None, "details": None, "error": "ValueError: bad"},
+                   {"reward_name": "n", "value": 0.5, "details": '{"pre": "encoded"}', "error": None}]
