@@ -61,7 +61,7 @@ def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from flows import pipeline
-    from flows.prefect_flows import train_flow
+    from flows.prefect_flows import run_here, train_flow
     from flows.run_config import from_dict
     from stages.common import StageContext
     from storage.workspace import Workspace
@@ -80,7 +80,7 @@ def main() -> None:
         ws = Workspace.open(root / f"flow-{i}")
         ws.tracker
         t0 = time.perf_counter()
-        train_flow(cfg, str(ws.root))
+        run_here(train_flow, cfg, str(ws.root))  # as `rlops run` calls it
         return time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -80,9 +80,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ws_path = _workspace_path(args)
     _prefect_env(ws_path)
-    from flows.prefect_flows import train_flow
+    from flows.prefect_flows import run_here, train_flow
 
-    summary = train_flow(cfg.model_dump(mode="json"), str(ws_path))
+    summary = run_here(train_flow, cfg.model_dump(mode="json"), str(ws_path))
     if not args.json:
         cols, rows = results_table(summary)
         print(f"\nrun {cfg.name}: held-out {cfg.eval.split} split of {cfg.task.name}")
@@ -106,9 +106,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
                   split=args.split)
     if args.prefect:
         _prefect_env(_workspace_path(args))
-        from flows.prefect_flows import stage_flow
+        from flows.prefect_flows import run_here, stage_flow
 
-        artifact = stage_flow(args.stage, cfg.model_dump(mode="json"), str(_workspace_path(args)), **inputs)
+        artifact = run_here(stage_flow, args.stage, cfg.model_dump(mode="json"), str(_workspace_path(args)), **inputs)
     else:  # quick path: no Prefect server start for one stage
         ws = Workspace.open(args.workspace)
         artifact = call_stage(args.stage, cfg, StageContext(ws, run_name=cfg.name), **inputs).id
@@ -121,9 +121,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
 def cmd_rescore(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _prefect_env(_workspace_path(args))
-    from flows.prefect_flows import rescore_flow
+    from flows.prefect_flows import rescore_flow, run_here
 
-    ids = rescore_flow(cfg.model_dump(mode="json"), args.run, str(_workspace_path(args)))
+    ids = run_here(rescore_flow, cfg.model_dump(mode="json"), args.run, str(_workspace_path(args)))
     _emit(args, {"reward_sets": ids}, "\n".join(ids))
     return 0
 
@@ -133,9 +133,9 @@ def cmd_rescore(args: argparse.Namespace) -> int:
 def cmd_retrain(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _prefect_env(_workspace_path(args))
-    from flows.prefect_flows import retrain_flow
+    from flows.prefect_flows import retrain_flow, run_here
 
-    lineage = retrain_flow(cfg.model_dump(mode="json"), args.from_policy, args.run, str(_workspace_path(args)), args.branch)
+    lineage = run_here(retrain_flow, cfg.model_dump(mode="json"), args.from_policy, args.run, str(_workspace_path(args)), args.branch)
     _emit(args, {"lineage": lineage}, lineage[-1])
     return 0
 
