@@ -13,7 +13,7 @@ import sys
 import time
 
 
-def main(steps: int, micro_batch_size: int, threads: int | None) -> None:
+def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -26,7 +26,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None) -> None:
     torch.manual_seed(0)
     prompts, group, prompt_len, new_tokens = 4, 8, 40, 32
     model = AutoModelForCausalLM.from_pretrained(resolve_model("SmolLM2-135M-Instruct"), dtype=torch.float32)
-    config = GRPOConfig(micro_batch_size=micro_batch_size)
+    config = GRPOConfig(micro_batch_size=micro_batch_size, activation_checkpointing=checkpointing)
     model = add_lora(model, config.lora)
     vocab = model.config.vocab_size
 
@@ -49,7 +49,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None) -> None:
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {len(samples)} sequences "
           f"(prompt {prompt_len}-{prompt_len + prompts - 1} + {new_tokens} completion tokens), "
-          f"micro_batch_size {micro_batch_size}, LoRA r={config.lora.r} on {','.join(config.lora.target_modules)}")
+          f"micro_batch_size {micro_batch_size}, activation checkpointing {checkpointing}, LoRA r={config.lora.r} on {','.join(config.lora.target_modules)}")
     for step in range(steps):
         start, cpu = time.perf_counter(), time.process_time()
         (metrics,) = train_on_batch(model, optimizer, samples, advantages, config)
@@ -67,5 +67,6 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-activation-checkpointing", action="store_true")
     args = parser.parse_args()
-    main(args.steps, args.micro_batch_size, args.threads)
+    main(args.steps, args.micro_batch_size, args.threads, not args.no_activation_checkpointing)

@@ -320,7 +320,7 @@ def main() -> None:
     ap.add_argument("--trl-tile", action="store_true",
                     help=f"also run TRL with its log-prob tile shrunk to {TILE_TOKENS} tokens x {TILE_VOCAB} vocab")
     ap.add_argument("--trl-no-gradient-checkpointing", action="store_true",
-                    help="TRL without gradient checkpointing (its default is on; rlops has none)")
+                    help="TRL without gradient checkpointing (its default is on, as is rlops' activation_checkpointing)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads in each side (default: torch's choice)")
     ap.add_argument("--child", choices=list(LABELS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)

@@ -137,13 +137,29 @@ def test_micro_batches_accumulate_to_the_full_batch_step(aggregation: str) -> No
                       s.behavior_logprobs[: len(s.token_ids) - i % 4]) for i, s in enumerate(samples)]
     advantages = group_advantages(torch.tensor(rewards), groups)
     params = []
-    for size in (3, len(samples)):
+    longest = max(len(s.token_ids) for s in samples)
+    # one batch of all; 3 sequences each; a token budget that fits two of the longest
+    for size, budget in ((len(samples), None), (3, None), (len(samples), 2 * longest)):
         m = copy.deepcopy(model)
         sgd = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0)
-        config = LEARN.model_copy(update={"micro_batch_size": size, "aggregation": aggregation, "max_grad_norm": 1e9})
+        config = LEARN.model_copy(update={"micro_batch_size": size, "micro_batch_tokens": budget,
+                                          "aggregation": aggregation, "max_grad_norm": 1e9})
         train_on_batch(m, sgd, samples, advantages, config)
         params.append(torch.cat([p.detach().flatten() for p in m.parameters() if p.requires_grad]))
-    torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(params[2], params[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("lengths", "size", "budget", "expected"), [
+    ([5, 3, 9, 4], 8, None, [[1, 3, 0, 2]]),  # sorted by length, all in one
+    ([5, 3, 9, 4], 2, None, [[1, 3], [0, 2]]),  # at most 2 sequences
+    ([5, 3, 9, 4], 8, 12, [[1, 3], [0], [2]]),  # 3 x 5 = 15 padded tokens > 12; 9 goes alone
+    ([50, 3], 8, 10, [[1], [0]]),  # a sequence over the budget still trains, alone
+])
+def test_micro_batches_respect_the_sequence_and_token_limits(lengths, size, budget, expected) -> None:
+    from stages.grpo import _micro_batch_indices
+
+    assert _micro_batch_indices(lengths, size, budget) == expected
 
 
 # -- the stage, end to end on a workspace -----------------------------------------------------
