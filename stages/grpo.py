@@ -219,11 +219,13 @@ def _set_activation_checkpointing(model: Any, on: bool) -> None:
 
     lm = _causal_lm(model)
     active = lm.is_activation_checkpointing if hasattr(lm, "is_activation_checkpointing") else lm.is_gradient_checkpointing
+    # transformers 5 renamed gradient_* to activation_*; the old names still work, with a warning.
     if on and not active:
+        enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
         # Non-reentrant: gradients reach the LoRA weights without requiring grad on the inputs.
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable({"use_reentrant": False})  # first parameter of both: the torch.utils.checkpoint kwargs
     elif not on and active:
-        lm.gradient_checkpointing_disable()
+        (getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable)()
 
 
 def add_lora(model: Any, lora: LoRASettings, seed: int = LORA_SEED) -> Any:

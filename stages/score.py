@@ -21,7 +21,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -78,22 +78,22 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
     """Score what is missing of every batch; batches are computed in Ray workers when `workers > 1`
     and every missing reward is per-rollout (judges keep their requests in driver threads)."""
     ws = ctx.ws
-    present = ws.catalog.complete_ids(batches)
+    present = ws.catalog.complete_rows(batches)
     absent = [b for b in batches if b not in present]
     if absent:
         raise KeyError(f"rollout batch(es) {', '.join(map(repr, absent))} are not complete artifacts in this workspace")
     # Two catalog queries for all batches (not a few per batch): each DuckDB connection costs ~10 ms.
     scored = set() if ctx.force else ws.catalog.complete_ids([part_id(b, n, v) for b in batches for n, v in vers.items()])
     files = ws.catalog.files_of(batches)
-    todo: list[tuple[str, list[str], list[RewardSpec], bool]] = []  # (batch, files, missing specs, total missing)
+    todo: list[_Todo] = []
     for batch_id in batches:
         done = {n for n, v in vers.items() if part_id(batch_id, n, v) in scored}
         missing = [s for s in specs if s.name not in done]
         total_missing = bool(config.total) and config.total not in done
         if missing or total_missing:
-            todo.append((batch_id, files[batch_id], missing, total_missing))
+            todo.append(_Todo(batch_id, files[batch_id], present[batch_id], missing, total_missing))
     stats: dict[str, list[float]] = {}  # name -> [count, sum, sum of squares, errors] over all batches
-    for (batch_id, _, missing, total_missing), (ids, computed) in zip(todo, _outcomes_of(config, ctx, todo)):
+    for (batch_id, _, _, missing, total_missing), (ids, computed) in zip(todo, _outcomes_of(config, ctx, todo)):
         for spec in missing:
             _check_errors(spec.name, computed[spec.name], config.max_error_fraction)
         parts = {s.name: computed[s.name] for s in missing}
@@ -109,40 +109,71 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
     return metrics
 
 
-def _outcomes_of(config: ScoreConfig, ctx: StageContext, todo: list) -> Iterator[tuple[list[str], dict[str, list[Outcome]]]]:
-    """(rollout ids, reward name -> outcomes) per batch of `todo`, in order."""
+class _Todo(NamedTuple):
+    batch_id: str
+    files: list[str]
+    rows: int
+    missing: list[RewardSpec]  # components to compute
+    total_missing: bool
+
+
+MIN_SLICE_ROWS = 20_000  # with workers > 1, a batch of at least 2x this many rollouts is split over workers
+
+
+def _slices(rows: int, workers: int) -> list[tuple[int, int] | None]:
+    """Row ranges to score a batch in: the whole batch, or up to `workers` equal slices of a large one."""
+    k = max(1, min(workers, rows // MIN_SLICE_ROWS))
+    if k == 1:
+        return [None]
+    step = -(-rows // k)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _outcomes_of(config: ScoreConfig, ctx: StageContext, todo: list[_Todo]
+                 ) -> Iterator[tuple[list[str], dict[str, list[Outcome]]]]:
+    """(rollout ids, reward name -> outcomes) per batch of `todo`, in order.
+
+    With `workers` > 1 and only per-rollout rewards missing, batches (and slices of large batches)
+    are scored as Ray tasks, a few more in flight than workers so the driver writes while they compute.
+    """
     root = ctx.ws.data.root
-    remote = config.workers > 1 and all(info(load_fn(s.fn)).kind == "rollout" for _, _, m, _ in todo for s in m)
+    remote = config.workers > 1 and all(info(load_fn(s.fn)).kind == "rollout" for t in todo for s in t.missing)
     if not remote:
-        for _, files, missing, _ in todo:
-            yield score_files(root, files, missing, workers=config.workers)
+        for t in todo:
+            yield score_files(root, t.files, t.missing, workers=config.workers)
         return
     import ray
 
     if not ray.is_initialized():
         ray.init(num_cpus=config.workers, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     task = ray.remote(score_files)
-    window = 2 * config.workers  # enough in flight to keep every worker busy while the driver writes
-    pending = [task.remote(root, files, missing) for _, files, missing, _ in todo[:window]]
-    for i in range(len(todo)):
-        result = ray.get(pending[i])
-        pending[i] = None  # drop the reference: the object store frees the batch
-        if i + window < len(todo):
-            _, files, missing, _ = todo[i + window]
-            pending.append(task.remote(root, files, missing))
-        yield result
+    units = [(i, t, rows) for i, t in enumerate(todo) for rows in _slices(t.rows, config.workers)]
+    window = 2 * config.workers
+    pending = [task.remote(root, t.files, t.missing, 1, rows) for _, t, rows in units[:window]]
+    done: list[tuple[list[str], dict[str, list[Outcome]]]] = []
+    for u, (i, t, _) in enumerate(units):
+        done.append(ray.get(pending[u]))
+        pending[u] = None  # drop the reference: the object store frees the result
+        if u + window < len(units):
+            _, nt, rows = units[u + window]
+            pending.append(task.remote(root, nt.files, nt.missing, 1, rows))
+        if u + 1 == len(units) or units[u + 1][0] != i:  # the batch's last slice: hand the batch over whole
+            ids = [r for part_ids, _ in done for r in part_ids]
+            yield ids, {s.name: [o for _, part in done for o in part[s.name]] for s in t.missing}
+            done = []
 
 
-def score_files(data_root: str, files: list[str], specs: list[RewardSpec], workers: int = 1
-                ) -> tuple[list[str], dict[str, list[Outcome]]]:
-    """Read one rollout batch's files and compute `specs` over it: (rollout ids, name -> outcomes).
+def score_files(data_root: str, files: list[str], specs: list[RewardSpec], workers: int = 1,
+                rows: tuple[int, int] | None = None) -> tuple[list[str], dict[str, list[Outcome]]]:
+    """Read one rollout batch's files (or rows [start, stop) of them) and compute `specs` over those
+    rollouts: (rollout ids, name -> outcomes).
 
     Self-contained (a data root, paths, specs in; plain values out), so it runs the same in the
     driver and in a Ray worker. `workers` > 1 gives group rewards (judges) that many request threads.
     """
     needs_tokens = any(info(load_fn(s.fn)).tokens for s in specs)
     with _gc_paused():
-        rollouts = _load(DataStore(data_root), files, needs_tokens)
+        rollouts = _load(DataStore(data_root), files, needs_tokens, rows)
         computed = {s.name: compute(s, rollouts, workers=workers if info(load_fn(s.fn)).kind == "group" else 1)
                     for s in specs}
         return [r.rollout_id for r in rollouts], computed
@@ -161,12 +192,16 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _load(data: DataStore, files: list[str], needs_tokens: bool) -> list[Rollout]:
-    """The batch's rollouts; without the token lists unless a reward reads them (converting ~300
-    token ids per rollout to Python objects would dominate the cost of rescoring)."""
+def _load(data: DataStore, files: list[str], needs_tokens: bool, rows: tuple[int, int] | None = None) -> list[Rollout]:
+    """The batch's rollouts (or rows [start, stop) of it); without the token lists unless a reward
+    reads them (converting ~300 token ids per rollout to Python objects would dominate the cost of
+    rescoring). Reading the Arrow columns is cheap next to decoding, so a slice reads them all."""
     if needs_tokens:
-        return from_table(data.read(files), Rollout)
+        table = data.read(files)
+        return from_table(table if rows is None else table.slice(rows[0], rows[1] - rows[0]), Rollout)
     table = data.read(files, columns=[n for n in ROLLOUTS.names if n not in TOKEN_COLUMNS])
+    if rows is not None:
+        table = table.slice(rows[0], rows[1] - rows[0])
     for col in TOKEN_COLUMNS:
         table = table.append_column(col, pa.array([[]] * table.num_rows, type=ROLLOUTS.field(col).type))
     return from_table(table, Rollout)

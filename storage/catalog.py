@@ -172,11 +172,15 @@ class Catalog:
 
     def complete_ids(self, artifact_ids: list[str]) -> set[str]:
         """Which of `artifact_ids` are complete artifacts (one query for many ids)."""
+        return set(self.complete_rows(artifact_ids))
+
+    def complete_rows(self, artifact_ids: list[str]) -> dict[str, int]:
+        """artifact id -> its row count, for those of `artifact_ids` that are complete (one query)."""
         if not artifact_ids:
-            return set()
-        rows = self._rows("SELECT artifact_id FROM artifacts WHERE status = 'complete' AND list_contains(?, artifact_id)",
+            return {}
+        rows = self._rows("SELECT artifact_id, rows FROM artifacts WHERE status = 'complete' AND list_contains(?, artifact_id)",
                           [list(artifact_ids)])
-        return {r["artifact_id"] for r in rows}
+        return {r["artifact_id"]: int(r["rows"] or 0) for r in rows}
 
     def files_of(self, artifact_ids: list[str]) -> dict[str, list[str]]:
         """artifact id -> paths of its registered files in part order (one query for many ids)."""

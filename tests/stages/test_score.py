@@ -132,3 +132,21 @@ def test_two_ray_workers_score_like_one(env):
     pids = {r["pid"] for r in ws.query("SELECT json_extract(details, '$.pid')::INT AS pid FROM rewards "
                                        "WHERE reward_name = 'where'").to_pylist()}
     assert len(pids) == 1 and os.getpid() not in pids  # the forced rescoring ran in a Ray worker
+
+
+def test_a_large_batch_is_split_over_ray_workers_and_written_whole(env, monkeypatch):
+    ws, ctx, reward_file, counter, batch = env
+    reward_file.write_text(CUSTOM + textwrap.dedent('''
+        @reward(low=0.0, high=1.0)
+        def parity(rollout):
+            return float(rollout.sample_idx % 2), {"idx": rollout.sample_idx}
+    '''))  # Ray workers may predate this test's environment: no reward here reads it
+    config = score.ScoreConfig(rewards=[RewardSpec(fn="rewards.builtin.exact_match"), RewardSpec(fn=f"{reward_file}:parity")])
+    score.run(config, ctx, [batch])
+    query = "SELECT rollout_id, reward_name, reward_version, value, details, error FROM rewards ORDER BY ALL"
+    rows_one = ws.query(query).to_pylist()
+    monkeypatch.setattr(score, "MIN_SLICE_ROWS", 3)  # the 8-rollout batch counts as large: 2 slices of 4
+    assert score._slices(8, 2) == [(0, 4), (4, 8)] and score._slices(8, 1) == [None]
+    score.run(config.model_copy(update={"workers": 2}), StageContext(ws, run_name="t", force=True), [batch])
+    assert ws.query(query).to_pylist() == rows_one  # same rows, each reward artifact still one whole file
+    assert [len(ws.catalog.artifact_files(p)) for p in score.summary(score.run(config, ctx, [batch]), ws)["parts"][batch].values()] == [1, 1, 1]
