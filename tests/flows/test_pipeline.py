@@ -62,6 +62,12 @@ def test_flow_runs_every_stage_and_fills_every_view(prefect_harness, tmp_path, t
     assert {"sft", "rollout", "reward_set", "grpo", "evaluate"} <= stages
     assert set(children["tags.rlops.artifact_id"]) >= set(summary["policies"] + summary["batches"])
 
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:  # the per-step and evaluation summaries reached Prefect
+        keys = {a.key for a in client.read_artifacts()}
+    assert {"e2e-step", "e2e-eval", "e2e-evals"} <= keys
+
     index = write_report(ws, "e2e")
     assert index.exists() and (index.parent / "reward_by_step.png").stat().st_size > 1000
     logged = mlflow.MlflowClient().list_artifacts(summary["mlflow_run_id"], "report")
