@@ -22,7 +22,8 @@ grad-norm clip 1.0, ONE optimizer step over the 32 completions in micro-batches 
   folder): `stages.rollout.run` -> `stages.score.run` -> `stages.grpo.run`, the policy chained from
   step to step starting at the base model. A step is timed around the three calls, so it includes
   loading the policy for generation and again for training, the Parquet/catalog/MLflow writes and
-  the checkpoint save (adapter + optimizer state).
+  the checkpoint save (adapter + optimizer state). GRPO runs with rlops' defaults otherwise:
+  activation checkpointing, micro-batches of at most 8 sequences and 384 padded tokens.
 
 Each side runs in its own subprocess (this script re-invoked with `--child`), so each peak RSS (from
 `os.wait4`, the kernel's figure for that process) is its own. The first step of each side is a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -68,14 +69,18 @@ def _yield_cpu_to_training() -> None:
     server someone else started (PREFECT_API_URL) is left alone. Set RLOPS_PREFECT_SERVER_NICE=0 to opt out.
     """
     niceness = int(os.environ.get("RLOPS_PREFECT_SERVER_NICE", SERVER_NICENESS))
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        from prefect.server.api.server import SubprocessASGIServer
+
         SubprocessASGIServer().start()  # what the first API call would do; idempotent
-    if niceness <= 0:
+    # With an API URL, only a server this process already runs (e.g. a test harness) can be ours;
+    # importing the server module just to find none would cost ~1 s.
+    server_module = sys.modules.get("prefect.server.api.server")
+    if niceness <= 0 or server_module is None:
         return
-    for server in list(SubprocessASGIServer._instances.values()):
+    for server in list(server_module.SubprocessASGIServer._instances.values()):
         proc = getattr(server, "server_process", None)
         if proc is not None and proc.poll() is None:
             try:
