@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from typing import Any
 
 from rewards.base import canonical_json, describe_error, group_reward
 from rewards.judge_client import ChatClient, Completion, JudgeError, OpenAIClient, TransformersClient, scrub
+from storage.atomic import write_text_atomic
 from storage.schema import Rollout
 
 DEFAULT_RUBRIC = """\
@@ -144,12 +144,8 @@ def _cache_read(path: Path) -> list[tuple[float, str]] | None:
 
 
 def _cache_write(path: Path, record: dict[str, Any]) -> None:
-    # tmp + os.replace: a reader (or a crash) never sees half a file; tmp names never end in .json.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, ensure_ascii=False)
-    os.replace(tmp, path)
+    # A reader (or a crash) never sees half a file; temp names never end in .json.
+    write_text_atomic(path, json.dumps(record, ensure_ascii=False))
 
 
 def _judge(

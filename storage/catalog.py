@@ -12,7 +12,6 @@ has marked it complete, which happens after all its files are written and regist
 from __future__ import annotations
 
 import json
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,6 +21,7 @@ from typing import Any, Iterator
 import duckdb
 import pyarrow.parquet as pq
 
+from storage.atomic import atomic_file
 from storage.parquet import FileInfo
 from storage.schema import now
 
@@ -93,9 +93,8 @@ class Catalog:
     def _snapshot(self, con: duckdb.DuckDBPyConnection, table: str) -> None:
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
         final = self.snapshot_dir / f"{table}.parquet"
-        tmp = self.snapshot_dir / f".{table}.{os.getpid()}.tmp"
-        pq.write_table(con.sql(f"SELECT * FROM {table}").to_arrow_table(), tmp)
-        os.replace(tmp, final)
+        with atomic_file(final) as f:
+            pq.write_table(con.sql(f"SELECT * FROM {table}").to_arrow_table(), f)
 
     def snapshot_all(self) -> None:
         """Refresh every snapshot (e.g. after an upgrade added a table)."""

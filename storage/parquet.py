@@ -9,7 +9,6 @@ after `write` returns.
 
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from storage.atomic import atomic_file
 from storage.schema import TABLES
 
 
@@ -56,16 +56,12 @@ class DataStore:
         folder = self.artifact_dir(kind, artifact_id)
         name = f"{part or 'part-' + uuid.uuid4().hex[:12]}.parquet"
         final = f"{folder}/{name}"
-        tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:8]}.tmp"  # hidden and not *.parquet: no glob sees it
         self.fs.create_dir(folder, recursive=True)
         if self.local:
-            with open(tmp, "wb") as f:
+            with atomic_file(final) as f:
                 pq.write_table(table, f, compression="zstd")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            _fsync_dir(folder)
         else:
+            tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:8]}.tmp"  # hidden and not *.parquet: no glob sees it
             with self.fs.open_output_stream(tmp) as f:
                 pq.write_table(table, f, compression="zstd")
             self.fs.move(tmp, final)
@@ -82,14 +78,3 @@ class DataStore:
     def _path(self, path: str) -> str:
         return path.split("://", 1)[1] if "://" in path else path
 
-
-def _fsync_dir(folder: str) -> None:
-    # Make the rename itself durable (POSIX); harmless where directories cannot be opened.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from storage.atomic import atomic_file
 from storage.schema import ToolCall
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -108,13 +108,9 @@ def load_task(name: str, params: dict[str, Any] | None = None) -> Task:
 def write_chat_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
     """Write SFT rows ({"messages": [...], "tools": [...]}) as JSONL; returns how many. The file
     appears whole or not at all (written under a temporary name, then renamed)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     n = 0
-    with tmp.open("w") as f:
+    with atomic_file(path, "w") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
-    os.replace(tmp, path)
     return n
