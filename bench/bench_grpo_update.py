@@ -17,7 +17,10 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.grpo import GRPOConfig, Sample, add_lora, train_on_batch
+    from stages.grpo import GRPOConfig
+    from stages.grpo_data import Sample
+    from stages.grpo_train import train_on_batch
+    from stages.lora import add_lora
     from stages.logprobs import token_logprobs
     from stages.model import resolve_model
 
@@ -52,7 +55,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
           f"micro_batch_size {micro_batch_size}, activation checkpointing {checkpointing}, LoRA r={config.lora.r} on {','.join(config.lora.target_modules)}")
     for step in range(steps):
         start, cpu = time.perf_counter(), time.process_time()
-        (metrics,) = train_on_batch(model, optimizer, samples, advantages, config)
+        (metrics,) = train_on_batch(model, optimizer, samples, advantages, config, temperature=1.0)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         # CPU seconds too: on a shared machine wall time mostly measures the neighbours.
         print(f"step {step}: {seconds:6.2f} s wall, {cpu:6.2f} s CPU  {metrics['tokens'] / seconds:6.1f} trained tokens/s  "

@@ -193,6 +193,8 @@ def run_rlops(args: argparse.Namespace) -> dict[str, Any]:
     from rewards.base import RewardSpec
     from stages import grpo, rollout, score
     from stages.common import StageContext, base_policy
+    from stages.lora import LoRASettings
+    from stages.reward_ref import RewardRef
     from storage.settings import Settings
     from storage.workspace import Workspace
 
@@ -208,17 +210,16 @@ def run_rlops(args: argparse.Namespace) -> dict[str, Any]:
         rollout_cfg = rollout.RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=args.max_new_tokens,
                                             temperature=TEMPERATURE, groups_per_shard=PROMPTS)
         score_cfg = score.ScoreConfig(rewards=[RewardSpec(name="correct", fn="rewards.builtin.numeric_match")])
-        grpo_cfg = grpo.GRPOConfig(lr=LR, temperature=TEMPERATURE, micro_batch_size=MICRO_BATCH,
-                                   lora=grpo.LoRASettings(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0,
-                                                          target_modules=LORA_TARGETS))
-        reward = f"total@{score.versions(score_cfg)['total']}"
+        grpo_cfg = grpo.GRPOConfig(lr=LR, micro_batch_size=MICRO_BATCH,
+                                   lora=LoRASettings(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, target_modules=LORA_TARGETS))
+        reward = RewardRef.configured(score_cfg, "total")
         policy = base_policy(ws, MODEL)
         seconds, rewards, lengths, zero_std = [], [], [], []
         for step in range(args.steps):
             t0 = time.perf_counter()
-            batch = rollout.run(rollout_cfg, ctx, policy, task, "train", step)
-            scored = score.run(score_cfg, ctx, [batch.id])
-            policy = grpo.run(grpo_cfg, ctx, policy, [batch.id], reward).id
+            batch = rollout.run(rollout_cfg, ctx, policy_id=policy, task=task, split="train", step=step)
+            scored = score.run(score_cfg, ctx, batches=[batch.id])
+            policy = grpo.run(grpo_cfg, ctx, parent_policy=policy, batches=[batch.id], reward=reward).id
             seconds.append(time.perf_counter() - t0)
             gen = ws.catalog.get_artifact(batch.id)["meta"]["metrics"]
             rewards.append(ws.catalog.get_artifact(scored.id)["meta"]["metrics"].get("total.mean"))

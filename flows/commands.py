@@ -27,12 +27,15 @@ def _prefect_env(workspace: Path) -> None:
     """Keep Prefect's state in the workspace unless a server or home is configured, and create the
     MLflow database first, in this thread: its SQLite migrations must not race the temporary Prefect
     server's own migrations or a stage thread."""
+    from flows.console import quiet_console
     from storage.workspace import Workspace
 
-    Workspace.open(workspace).tracker
+    quiet_console(workspace)
+    ws = Workspace.open(workspace)
+    ws.tracker
     if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
-        (workspace / "prefect").mkdir(parents=True, exist_ok=True)  # Prefect's SQLite cannot create the folder
-        os.environ["PREFECT_HOME"] = str(workspace / "prefect")
+        ws.settings.prefect_home.mkdir(parents=True, exist_ok=True)  # Prefect's SQLite cannot create the folder
+        os.environ["PREFECT_HOME"] = str(ws.settings.prefect_home)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # 2 slow cores
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids error spam
 
@@ -110,6 +113,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
         artifact = run_here(stage_flow, args.stage, cfg.model_dump(mode="json"), str(_workspace_path(args)), **inputs)
     else:  # quick path: no Prefect server start for one stage
+        from flows.console import quiet_console
+
+        quiet_console(_workspace_path(args))
         ws = Workspace.open(args.workspace)
         artifact = call_stage(args.stage, cfg, StageContext(ws, run_name=cfg.name), **inputs).id
     _emit(args, {"stage": args.stage, "artifact_id": artifact}, artifact)

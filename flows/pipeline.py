@@ -18,8 +18,11 @@ from typing import Any, Callable
 from flows.run_config import RunConfig
 from stages import evaluate, grpo, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
+from stages.reward_ref import RewardRef
 
 Call = Callable[..., ArtifactRef]
+# What the per-step summary shows of the GRPO stage's metrics (besides the step's reward mean).
+STEP_FIELDS = ("loss", "frac_zero_variance_groups", "clip_frac")
 
 
 def direct(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs: Any) -> ArtifactRef:
@@ -54,7 +57,8 @@ def sft_data(cfg: RunConfig, ws_root: Path) -> str:
 
 
 def evaluate_policy(cfg: RunConfig, ctx: StageContext, policy: str, call: Call = direct) -> dict[str, float]:
-    ref = call(f"evaluate-{policy}", evaluate.run, cfg.eval, ctx, policy, cfg.task, cfg.rollout, cfg.score)
+    ref = call(f"evaluate-{policy}", evaluate.run, cfg.eval, ctx, policy_id=policy, task=cfg.task,
+               rollout_config=cfg.rollout, score_config=cfg.score)
     meta = ctx.ws.catalog.get_artifact(ref.id)["meta"]
     return meta["metrics"]
 
@@ -75,10 +79,10 @@ def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: 
     base = base_policy(ws, cfg.base_model)
     policy, sft_policy = start_policy or base, None
     if cfg.sft is not None and start_policy is None:
-        sft_cfg = sft.SFTConfig(**cfg.sft.model_dump(exclude={"data"}))
-        sft_policy = call("sft", sft.run, sft_cfg, ctx, cfg.base_model, sft_data(cfg, ws.root)).id
+        sft_policy = call("sft", sft.run, cfg.sft, ctx, base_model=cfg.base_model, data=sft_data(cfg, ws.root)).id
         policy = sft_policy
     result = TrainResult(cfg.name, base, sft_policy, policy)
+    reward = RewardRef.configured(cfg.score, cfg.reward_name)  # what each step's score stage writes
     if start_policy is None:
         for p in [base] + ([sft_policy] if sft_policy else []):
             result.evals[p] = evaluate_policy(cfg, ctx, p, call)
@@ -88,17 +92,18 @@ def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: 
         # A continued lineage (a scheduled run) trains on prompts it has not seen first: rows added to
         # the task's data since the last run are picked up at once.
         fresh = unseen_prompts(cfg, ctx, cfg.rollout.prompts_per_step) if start_policy else None
-        batch = call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, policy, cfg.task, "train", step, None, fresh)
-        scored = call(f"score-{step}", score.run, cfg.score, ctx, [batch.id])
-        reward = f"{cfg.reward_name}@{score.versions(cfg.score)[cfg.reward_name]}"
-        policy = call(f"grpo-{step}", grpo.run, cfg.grpo, ctx, policy, [batch.id], reward).id
+        batch = call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, policy_id=policy, task=cfg.task, split="train",
+                     step=step, prompt_ids=fresh)
+        scored = call(f"score-{step}", score.run, cfg.score, ctx, batches=[batch.id])
+        policy = call(f"grpo-{step}", grpo.run, cfg.grpo, ctx, parent_policy=policy, batches=[batch.id],
+                      reward=reward).id
         result.batches.append(batch.id)
         result.policies.append(policy)
         metrics = ws.catalog.get_artifact(scored.id)["meta"]["metrics"]
         trained = ws.catalog.get_artifact(policy)["meta"]["metrics"]
         on_step({"step": step, "batch": batch.id, "policy": policy,
-                 "reward_mean": metrics.get(f"{cfg.reward_name}.mean", float("nan")),
-                 **{k: trained[k] for k in ("loss", "zero_variance_frac", "clip_frac") if k in trained}})
+                 "reward_mean": metrics.get(f"{reward.name}.mean", float("nan")),
+                 **{k: trained[k] for k in STEP_FIELDS if k in trained}})
         last = step == start_step + cfg.steps - 1
         if (step - start_step + 1) % cfg.eval.every == 0 or last:
             result.evals[policy] = evaluate_policy(cfg, ctx, policy, call)
@@ -112,10 +117,9 @@ def unseen_prompts(cfg: RunConfig, ctx: StageContext, n: int) -> list[str] | Non
     when fewer than `n` are left (the step then cycles through the split as usual)."""
     from tasks.base import load_task
 
-    name = (ctx.run_name or "").replace("'", "''")
     used = {r["prompt_id"] for r in ctx.ws.query(
         "SELECT DISTINCT r.prompt_id FROM rollouts r JOIN stage_runs s ON s.artifact_id = r.batch_id "
-        f"WHERE s.stage = 'rollout' AND s.run_name = '{name}' AND r.split = 'train'").to_pylist()}
+        "WHERE s.stage = 'rollout' AND s.run_name = ? AND r.split = 'train'", [ctx.run_name]).to_pylist()}
     unseen = [p.prompt_id for p in load_task(cfg.task.name, cfg.task.params).prompts("train") if p.prompt_id not in used]
     return unseen[:n] if len(unseen) >= n else None
 
@@ -123,17 +127,17 @@ def unseen_prompts(cfg: RunConfig, ctx: StageContext, n: int) -> list[str] | Non
 def rescore(cfg: RunConfig, ctx: StageContext, run_name: str, call: Call = direct) -> list[ArtifactRef]:
     """Score every stored training rollout batch of `run_name` with the config's (edited) rewards."""
     batches = run_batches(ctx, run_name)
-    return [call(f"rescore-{i}", score.run, cfg.score, ctx, [b]) for i, b in enumerate(batches)]
+    return [call(f"rescore-{i}", score.run, cfg.score, ctx, batches=[b]) for i, b in enumerate(batches)]
 
 
 def retrain(cfg: RunConfig, ctx: StageContext, from_policy: str, run_name: str, call: Call = direct) -> list[str]:
     """Replay the GRPO updates of `run_name` from `from_policy` on its stored (rescored) rollouts:
     no generation; a new lineage branch trained on the config's current reward version."""
     policy, lineage = from_policy, []
-    reward = f"{cfg.reward_name}@{score.versions(cfg.score)[cfg.reward_name]}"
+    reward = RewardRef.configured(cfg.score, cfg.reward_name)
     for i, batch in enumerate(run_batches(ctx, run_name)):
-        call(f"rescore-{i}", score.run, cfg.score, ctx, [batch])  # a no-op when already rescored
-        policy = call(f"retrain-{i}", grpo.run, cfg.grpo, ctx, policy, [batch], reward).id
+        call(f"rescore-{i}", score.run, cfg.score, ctx, batches=[batch])  # a no-op when already rescored
+        policy = call(f"retrain-{i}", grpo.run, cfg.grpo, ctx, parent_policy=policy, batches=[batch], reward=reward).id
         lineage.append(policy)
     return lineage
 
@@ -142,8 +146,8 @@ def run_batches(ctx: StageContext, run_name: str) -> list[str]:
     """The training rollout batches of a run, in step order."""
     rows = ctx.ws.query(
         "SELECT a.artifact_id FROM artifacts a JOIN stage_runs s ON s.artifact_id = a.artifact_id "
-        f"WHERE a.kind = 'rollouts' AND s.stage = 'rollout' AND s.run_name = '{run_name.replace(chr(39), '')}' "
-        "AND a.meta->>'split' = 'train' GROUP BY a.artifact_id, a.meta ORDER BY CAST(a.meta->>'step' AS INTEGER), min(a.completed_at)"
+        "WHERE a.kind = 'rollouts' AND s.stage = 'rollout' AND s.run_name = ? AND a.meta->>'split' = 'train' "
+        "GROUP BY a.artifact_id, a.meta ORDER BY CAST(a.meta->>'step' AS INTEGER), min(a.completed_at)", [run_name]
     ).to_pylist()
     if not rows:
         raise KeyError(f"run {run_name!r} has no training rollout batches in this workspace")

@@ -1,5 +1,10 @@
 """Prefect flows: the pipeline, one flow per stage for reruns, rescore/retrain, and the scheduled run.
 
+Flows do not turn prints into Prefect logs (`log_prints` stays off): libraries print from stage
+threads (dill disassembles functions to stdout while datasets fingerprints TRL's map functions), and
+Prefect's print patch would forward that into the console and the run's logs. Stage progress reaches
+the terminal directly, and each step's summary line goes through the run logger (`_on_step`).
+
 Flows are thin: they open the workspace, tie the run to an MLflow parent run and a catalog `runs`
 row, and hand `flows.pipeline` a `call` that runs each stage as a Prefect task. Stage results are
 cached by the catalog (artifact ids), not by Prefect's result store: a task is re-entered on a
@@ -162,7 +167,7 @@ def _on_step(cfg: RunConfig, background: _Background) -> Callable[[dict[str, Any
     return report
 
 
-@flow(name="rlops-train", log_prints=True)
+@flow(name="rlops-train")
 def train_flow(config: dict[str, Any], workspace: str | None = None, continue_lineage: bool = False) -> dict[str, Any]:
     """The whole pipeline for one config. `continue_lineage` starts from the run's latest checkpoint
     (scheduled retraining) instead of the base model."""
@@ -182,7 +187,7 @@ def train_flow(config: dict[str, Any], workspace: str | None = None, continue_li
     return _finish(ws, ctx, cfg, result)
 
 
-@flow(name="rlops-scheduled-train", log_prints=True)
+@flow(name="rlops-scheduled-train")
 def scheduled_train_flow(config_path: str, workspace: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """A scheduled run: re-reads the config file (so edited rewards and added task prompts are picked
     up) and continues the run's lineage from its latest checkpoint."""
@@ -192,7 +197,7 @@ def scheduled_train_flow(config_path: str, workspace: str | None = None, overrid
     return train_flow(cfg.model_dump(mode="json"), workspace, continue_lineage=True)
 
 
-@flow(name="rlops-rescore", log_prints=True)
+@flow(name="rlops-rescore")
 def rescore_flow(config: dict[str, Any], run_name: str, workspace: str | None = None) -> list[str]:
     """Rescore every stored training batch of `run_name` with the config's rewards (no generation)."""
     cfg = from_dict(config)
@@ -201,7 +206,7 @@ def rescore_flow(config: dict[str, Any], run_name: str, workspace: str | None = 
     return [r.id for r in pipeline.rescore(cfg, ctx, run_name, prefect_call)]
 
 
-@flow(name="rlops-retrain", log_prints=True)
+@flow(name="rlops-retrain")
 def retrain_flow(config: dict[str, Any], from_policy: str, run_name: str, workspace: str | None = None,
                  branch: str | None = None) -> list[str]:
     """Replay `run_name`'s GRPO updates from `from_policy` on its rescored rollouts into a new branch."""
@@ -220,7 +225,7 @@ def retrain_flow(config: dict[str, Any], from_policy: str, run_name: str, worksp
     return lineage
 
 
-@flow(name="rlops-stage", log_prints=True)
+@flow(name="rlops-stage")
 def stage_flow(stage: str, config: dict[str, Any], workspace: str | None = None, **inputs: Any) -> str:
     """One stage on its own (reruns): `stage` is sft | rollout | score | grpo | evaluate."""
     from flows.stage_calls import call_stage

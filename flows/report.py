@@ -11,11 +11,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from stages.score import ScoreConfig
 from storage.workspace import Workspace
-
-
-def _q(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
 
 
 def write_report(ws: Workspace, run_name: str, out: Path | None = None) -> Path:
@@ -29,25 +26,24 @@ def write_report(ws: Workspace, run_name: str, out: Path | None = None) -> Path:
     if run is None:
         raise KeyError(f"no run named {run_name!r} in this workspace (see `rlops ls runs`)")
     config = run["config"] or {}
-    score_cfg = config.get("score", {})
-    reward = config.get("train_reward") or score_cfg.get("total") or score_cfg.get("rewards", [{}])[0].get("name")
+    reward = ScoreConfig.model_validate(config["score"]).default_reward(config.get("train_reward"))
     out = out or ws.root / "reports" / run_name
     out.mkdir(parents=True, exist_ok=True)
 
-    batches_sql = (f"SELECT DISTINCT s.artifact_id FROM stage_runs s JOIN artifacts a USING (artifact_id) "
-                   f"WHERE s.stage = 'rollout' AND s.run_name = {_q(run_name)} AND a.meta->>'split' = 'train'")
+    batches_sql = ("SELECT DISTINCT s.artifact_id FROM stage_runs s JOIN artifacts a USING (artifact_id) "
+                   "WHERE s.stage = 'rollout' AND s.run_name = $run AND a.meta->>'split' = 'train'")
     steps = ws.query(
-        f"SELECT CAST(a.meta->>'step' AS INTEGER) AS step, avg(w.value) AS mean, count(*) AS n FROM rewards w "
+        "SELECT CAST(a.meta->>'step' AS INTEGER) AS step, avg(w.value) AS mean, count(*) AS n FROM rewards w "
         f"JOIN artifacts a ON a.artifact_id = w.batch_id WHERE w.batch_id IN ({batches_sql}) "
-        f"AND w.reward_name = {_q(reward or '')} GROUP BY 1 ORDER BY 1").to_pylist()
+        "AND w.reward_name = $reward GROUP BY 1 ORDER BY 1", {"run": run_name, "reward": reward}).to_pylist()
     evals = ws.query(
-        f"SELECT e.policy_id, coalesce(c.step, 0) AS step, c.kind, e.metric, e.value, e.created_at FROM evals e "
-        f"LEFT JOIN checkpoints c USING (policy_id) WHERE e.eval_batch_id IN "
-        f"(SELECT artifact_id FROM stage_runs WHERE stage = 'evaluate' AND run_name = {_q(run_name)}) "
-        f"ORDER BY e.created_at").to_pylist()
+        "SELECT e.policy_id, coalesce(c.step, 0) AS step, c.kind, e.metric, e.value, e.created_at FROM evals e "
+        "LEFT JOIN checkpoints c USING (policy_id) WHERE e.eval_batch_id IN "
+        "(SELECT artifact_id FROM stage_runs WHERE stage = 'evaluate' AND run_name = $run) "
+        "ORDER BY e.created_at", {"run": run_name}).to_pylist()
     dists = ws.query(
-        f"SELECT reward_name || '@' || reward_version AS version, list(value) AS values FROM rewards "
-        f"WHERE batch_id IN ({batches_sql}) AND value IS NOT NULL GROUP BY 1 ORDER BY 1").to_pylist()
+        "SELECT reward_name || '@' || reward_version AS version, list(value) AS values FROM rewards "
+        f"WHERE batch_id IN ({batches_sql}) AND value IS NOT NULL GROUP BY 1 ORDER BY 1", {"run": run_name}).to_pylist()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in steps], [r["mean"] for r in steps], marker="o")

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.config import ConfigError, load_config, validate
+from stages.common import Operational
 from stages.evaluate import EvalConfig
 from stages.grpo import GRPOConfig
 from stages.rollout import RolloutConfig, TaskSpec
@@ -26,7 +27,13 @@ from stages.sft import SFTConfig
 class SFTSection(SFTConfig):
     # A chat JSONL/Parquet file, or "oracle": the task's scripted demonstrations
     # (tasks that define write_oracle_dataset, e.g. doc_search and arithmetic).
-    data: str
+    # Not part of the SFT checkpoint id as a path: the file's content hash is.
+    data: str = Operational(...)
+
+
+class EvalSection(EvalConfig):
+    # A pipeline setting, not an evaluation's: how often the train flow evaluates (it never enters eval ids).
+    every: int = Operational(5, ge=1)  # evaluate every k GRPO steps (and at the start and end)
 
 
 class RunConfig(BaseModel):
@@ -40,11 +47,12 @@ class RunConfig(BaseModel):
     score: ScoreConfig
     train_reward: str | None = None  # reward name GRPO optimises; None = score.total
     grpo: GRPOConfig = GRPOConfig()
-    eval: EvalConfig = EvalConfig()
+    eval: EvalSection = EvalSection()
 
     @property
     def reward_name(self) -> str:
-        return self.train_reward or self.score.total or self.score.rewards[0].name
+        """The reward GRPO trains on (ScoreConfig.default_reward decides the fallback)."""
+        return self.score.default_reward(self.train_reward)
 
 
 def semantic_problems(cfg: RunConfig) -> list[str]:
@@ -68,9 +76,6 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"eval.metric: {cfg.eval.metric!r} is not one of the score rewards {sorted(names)}")
     except Exception as e:  # noqa: BLE001
         problems.append(f"score.rewards: {type(e).__name__}: {e}")
-    if cfg.grpo.temperature != cfg.rollout.temperature:
-        problems.append(f"grpo.temperature ({cfg.grpo.temperature}) must equal rollout.temperature "
-                        f"({cfg.rollout.temperature}): the importance ratio compares log-probs at one temperature")
     if cfg.sft and cfg.sft.data != "oracle" and not Path(cfg.sft.data).expanduser().exists():
         problems.append(f"sft.data: file not found: {cfg.sft.data}")
     if cfg.base_model != DEFAULT_MODEL and cfg.base_model.startswith((".", "/", "~")) and not Path(cfg.base_model).expanduser().exists():

@@ -7,6 +7,7 @@ from flows import pipeline
 from flows.run_config import RunConfig
 from stages import evaluate, grpo, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
+from stages.reward_ref import RewardRef
 
 STAGES = ("sft", "rollout", "score", "grpo", "evaluate")
 
@@ -23,22 +24,21 @@ def call_stage(stage: str, cfg: RunConfig, ctx: StageContext, call: pipeline.Cal
     if stage == "sft":
         if cfg.sft is None and data is None:
             raise ValueError("the config has no sft section: add one or pass --data")
-        sft_cfg = sft.SFTConfig(**(cfg.sft.model_dump(exclude={"data"}) if cfg.sft else {}))
-        return call("sft", sft.run, sft_cfg, ctx, cfg.base_model, data or pipeline.sft_data(cfg, ctx.ws.root))
+        return call("sft", sft.run, cfg.sft or sft.SFTConfig(), ctx, base_model=cfg.base_model,
+                    data=data or pipeline.sft_data(cfg, ctx.ws.root))
     if stage == "rollout":
-        return call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, resolve_policy_arg(cfg, ctx, policy), cfg.task,
-                    split, step)
+        return call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, policy_id=resolve_policy_arg(cfg, ctx, policy),
+                    task=cfg.task, split=split, step=step)
     if stage == "score":
         if not rollouts:
             raise ValueError("score needs --rollouts BATCH_ID [...]")
-        return call("score", score.run, cfg.score, ctx, rollouts)
+        return call("score", score.run, cfg.score, ctx, batches=rollouts)
     if stage == "grpo":
         if not rollouts:
             raise ValueError("grpo needs --rollouts BATCH_ID [...]")
-        name, _, version = (reward or cfg.reward_name).partition("@")
-        version = version or score.latest_version(ctx.ws, rollouts, name)
-        return call("grpo", grpo.run, cfg.grpo, ctx, resolve_policy_arg(cfg, ctx, policy), rollouts, f"{name}@{version}")
+        return call("grpo", grpo.run, cfg.grpo, ctx, parent_policy=resolve_policy_arg(cfg, ctx, policy),
+                    batches=rollouts, reward=RewardRef.parse(reward or cfg.reward_name))
     if stage == "evaluate":
-        return call("evaluate", evaluate.run, cfg.eval, ctx, resolve_policy_arg(cfg, ctx, policy), cfg.task,
-                    cfg.rollout, cfg.score)
+        return call("evaluate", evaluate.run, cfg.eval, ctx, policy_id=resolve_policy_arg(cfg, ctx, policy),
+                    task=cfg.task, rollout_config=cfg.rollout, score_config=cfg.score)
     raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")

@@ -7,13 +7,11 @@ with `rewards.ruler`.
 from rewards.base import (
     Outcome,
     RewardSpec,
-    Scored,
     compute,
     fill_params,
     group_reward,
     reward,
     reward_version,
-    score,
     total_version,
     weighted_total,
 )
@@ -21,13 +19,11 @@ from rewards.base import (
 __all__ = [
     "Outcome",
     "RewardSpec",
-    "Scored",
     "compute",
     "fill_params",
     "group_reward",
     "reward",
     "reward_version",
-    "score",
     "total_version",
     "weighted_total",
 ]

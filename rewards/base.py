@@ -26,7 +26,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
 import linecache
 import math
 import numbers
@@ -39,6 +38,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from storage.ids import canonical_json
 from storage.schema import Rollout
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -181,14 +181,9 @@ def _bound_params(fn: Callable[..., Any], params: dict[str, Any]) -> dict[str, A
     return out
 
 
-def canonical_json(value: Any) -> str:
-    """Strict JSON (no NaN/inf) with sorted keys and no whitespace: equal values give equal text and hashes."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
 def short_hash(value: Any) -> str:
     """12 hex chars of sha256 over the canonical JSON of `value`."""
-    return hashlib.sha256(canonical_json(value).encode()).hexdigest()[:12]
+    return hashlib.sha256(canonical_json(value, strict=True).encode()).hexdigest()[:12]
 
 
 def fn_version(fn: Callable[..., Any], params: dict[str, Any]) -> str:
@@ -229,7 +224,7 @@ def check(result: Any, decl: RewardInfo) -> Outcome:
             return Outcome(None, None, f"expected a float or (float, dict), got a tuple of {len(result)}")
         result, details = result
         try:
-            encoded = canonical_json(details)  # the stage writes details as JSON (DuckDB reads it): find out now, per row
+            encoded = canonical_json(details, strict=True)  # the stage writes details as JSON (DuckDB reads it): find out now, per row
         except (TypeError, ValueError) as e:
             return Outcome(None, None, f"details are not JSON-serializable: {describe_error(e)}")
     # bool is a Number in Python, but a reward returning True is almost always a forgotten float(...)
@@ -328,21 +323,3 @@ def _check_names(specs: Sequence[RewardSpec]) -> None:
     if len(set(names)) != len(names):
         raise ValueError(f"reward names must be unique, got {names}")
 
-
-@dataclass(frozen=True)
-class Scored:
-    """All outcomes of one named, versioned reward over a batch: what becomes its Parquet rows."""
-
-    name: str
-    version: str
-    outcomes: list[Outcome]
-
-
-def score(specs: Sequence[RewardSpec], rollouts: Sequence[Rollout], *, total: str | None = "total", workers: int = 1) -> list[Scored]:
-    """Every spec over `rollouts`, plus the weighted total under the name `total` (None: no total)."""
-    scored = [Scored(s.name, reward_version(s), compute(s, rollouts, workers=workers)) for s in specs]
-    if total is not None:
-        if total in {s.name for s in specs}:
-            raise ValueError(f"the total's name {total!r} is also a component's name")
-        scored.append(Scored(total, total_version(specs), weighted_total(specs, [s.outcomes for s in scored])))
-    return scored

@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rewards.base import canonical_json, describe_error, group_reward
+from rewards.base import describe_error, group_reward
 from rewards.judge_client import ChatClient, Completion, JudgeError, OpenAIClient, TransformersClient, scrub
 from storage.atomic import write_text_atomic
+from storage.ids import canonical_json
 from storage.schema import Rollout
 
 DEFAULT_RUBRIC = """\
@@ -235,42 +236,39 @@ def rank(
 _clients_lock = threading.Lock()
 
 
-def make_client(
-    backend: str,
-    model: str,
-    base_url: str | None,
-    api_key_env: str | None,
-    timeout: float,
-    max_retries: int,
-    concurrency: int,
-    backoff: float,
-    max_tokens: int | None,
-) -> ChatClient:
+@dataclass(frozen=True)
+class JudgeConfig:
+    """Which judge and how to reach it. Frozen and hashable: one client is shared per config."""
+
+    model: str  # the served model name (openai) or a local folder / hub id (transformers)
+    backend: str = "openai"  # openai: any OpenAI-compatible server at base_url; transformers: a local model
+    base_url: str | None = None  # e.g. http://localhost:8000/v1
+    api_key_env: str | None = None  # the env var holding the API key (never the key itself)
+    timeout: float = 60.0  # seconds per request
+    max_retries: int = 3  # transient failures (429, 5xx, connection errors) retried with backoff
+    concurrency: int = 4  # requests in flight across all groups being scored
+    backoff: float = 1.0  # first retry delay in seconds, doubled each time
+    max_tokens: int | None = None  # the judge's reply limit (None: the server's default; 1024 locally)
+
+
+def make_client(config: JudgeConfig) -> ChatClient:
     """One shared client per judge config, so its semaphore caps requests across all groups being scored
     and a local model is loaded once (the lock stops threads scoring their first groups from each building one)."""
     with _clients_lock:
-        return _make_client(backend, model, base_url, api_key_env, timeout, max_retries, concurrency, backoff, max_tokens)
+        return _make_client(config)
 
 
 @functools.lru_cache(maxsize=16)
-def _make_client(
-    backend: str,
-    model: str,
-    base_url: str | None,
-    api_key_env: str | None,
-    timeout: float,
-    max_retries: int,
-    concurrency: int,
-    backoff: float,
-    max_tokens: int | None,
-) -> ChatClient:
-    if backend == "openai":
-        if not base_url:
+def _make_client(config: JudgeConfig) -> ChatClient:
+    if config.backend == "openai":
+        if not config.base_url:
             raise ValueError("the openai judge backend needs base_url (e.g. http://localhost:8000/v1)")
-        return OpenAIClient(base_url, model, api_key_env, timeout, max_retries, concurrency, backoff, max_tokens=max_tokens)
-    if backend == "transformers":
-        return TransformersClient(model, max_new_tokens=max_tokens or 1024)
-    raise ValueError(f"judge backend must be openai or transformers, got {backend!r}")
+        return OpenAIClient(config.base_url, config.model, api_key_env=config.api_key_env, timeout=config.timeout,
+                            max_retries=config.max_retries, concurrency=config.concurrency, backoff=config.backoff,
+                            max_tokens=config.max_tokens)
+    if config.backend == "transformers":
+        return TransformersClient(config.model, max_new_tokens=config.max_tokens or 1024)
+    raise ValueError(f"judge backend must be openai or transformers, got {config.backend!r}")
 
 
 @group_reward(
@@ -303,7 +301,9 @@ def ruler_reward(
     timeout/max_retries/concurrency/backoff/cache_dir do not change values, so they are not versioned.
     """
     try:
-        client = make_client(backend, model, base_url, api_key_env, timeout, max_retries, concurrency, backoff, max_tokens)
+        client = make_client(JudgeConfig(model, backend=backend, base_url=base_url, api_key_env=api_key_env, timeout=timeout,
+                                         max_retries=max_retries, concurrency=concurrency, backoff=backoff,
+                                         max_tokens=max_tokens))
         usage = Usage()
         ranked = rank(
             [[m.to_openai() for m in r.messages] for r in group],

@@ -17,12 +17,35 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pydantic import BaseModel, Field
+
 from storage.ids import artifact_id as make_id
 from storage.ids import config_hash
 from storage.schema import now
 from storage.workspace import Workspace
 
 CODE_VERSION = "1"  # bump when a stage's output for the same inputs and config changes
+_OPERATIONAL = "rlops_operational"
+
+
+def Operational(default: Any, **kwargs: Any) -> Any:  # noqa: N802 - used like pydantic's Field
+    """A config field that changes how a stage runs (workers, shard size, memory layout), never what it
+    produces: `identity` leaves it out, so it never enters an artifact id. Marked on the config types
+    themselves, so the decision has one home per field."""
+    return Field(default, json_schema_extra={_OPERATIONAL: True}, **kwargs)
+
+
+def identity(value: Any) -> Any:
+    """The id-bearing part of a stage config: pydantic models as dicts without their `Operational`
+    fields (recursively), other values as they are. `run_stage` hashes this, nothing else."""
+    if isinstance(value, BaseModel):
+        return {name: identity(getattr(value, name)) for name, f in type(value).model_fields.items()
+                if not (isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get(_OPERATIONAL))}
+    if isinstance(value, dict):
+        return {k: identity(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [identity(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -54,7 +77,10 @@ def run_stage(
     version: str = "",
     meta: dict[str, Any] | None = None,
 ) -> ArtifactRef:
-    """Run `body` once per (stage, inputs, config, version); see the module docstring."""
+    """Run `body` once per (stage, inputs, config, version); see the module docstring.
+
+    `config` may hold pydantic configs: their `Operational` fields are dropped (`identity`) before hashing."""
+    config = identity(config)
     aid = make_id(stage, inputs, config, f"{CODE_VERSION}:{version}")
     chash = config_hash(config)
     record = {"stage": stage, "artifact_id": aid, "inputs": inputs, "config_hash": chash,
@@ -63,33 +89,38 @@ def run_stage(
         ctx.ws.catalog.record_stage_run({**record, "status": "cached", "started_at": now(), "finished_at": now()})
         return ArtifactRef(aid, kind, cached=True)
 
-    started = now()
+    started, run_id = now(), None
     tracker = ctx.ws.tracker
-    run_id = tracker.start_run(stage, ctx.parent_run_id, tags={"rlops.stage": stage, "rlops.artifact_id": aid, **ctx.tags},
-                               params={"inputs": ",".join(inputs), **config})
     try:
-        metrics = body(aid, run_id) or {}
+        with tracker.stage_run(stage, ctx.parent_run_id, aid, tags=ctx.tags,
+                               params={"inputs": ",".join(inputs), **config}) as run_id:
+            metrics = body(aid, run_id) or {}
+            ctx.ws.catalog.complete_artifact(aid, kind, stage, inputs, chash, meta={**(meta or {}), "metrics": metrics})
+            tracker.log_metrics(run_id, metrics)
     except BaseException as e:
-        tracker.end_run(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
         ctx.ws.catalog.record_stage_run({**record, "status": "failed", "started_at": started, "finished_at": now(),
                                          "error": "".join(traceback.format_exception_only(e)).strip()[:2000],
                                          "mlflow_run_id": run_id})
         raise
-    ctx.ws.catalog.complete_artifact(aid, kind, stage, inputs, chash, meta={**(meta or {}), "metrics": metrics})
-    tracker.log_metrics(run_id, metrics)
-    tracker.end_run(run_id)
     ctx.ws.catalog.record_stage_run({**record, "status": "complete", "started_at": started, "finished_at": now(),
                                      "mlflow_run_id": run_id})
     return ArtifactRef(aid, kind)
 
 
 def base_policy(ws: Workspace, base_model: str) -> str:
-    """The policy id of a base model without adapter, registered in the catalog on first use."""
-    pid = make_id("base", [], {"base_model": base_model})
+    """The policy id of a base model without adapter, registered in the catalog on first use.
+
+    The id covers the model's name and its content fingerprint (stages.model.fingerprint: config,
+    weights and tokenizer files), so a folder whose weights change under the same name is a new
+    base policy, and everything generated or trained from it gets new ids."""
+    from stages.model import fingerprint
+
+    identity_ = {"base_model": base_model, "fingerprint": fingerprint(base_model)}
+    pid = make_id("base", [], identity_)
     if ws.catalog.get_checkpoint(pid) is None:
         ws.catalog.add_checkpoint({"policy_id": pid, "parent_id": None, "base_model": base_model, "kind": "base",
-                                   "adapter_uri": None, "step": 0, "trained_on": {}, "config_hash": None})
-        ws.catalog.complete_artifact(pid, "checkpoint", "base", [], config_hash({"base_model": base_model}))
+                                   "adapter_uri": None, "step": 0, "trained_on": identity_, "config_hash": None})
+        ws.catalog.complete_artifact(pid, "checkpoint", "base", [], config_hash(identity_))
     return pid
 
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages import rollout as rollout_stage
 from stages import score as score_stage
 from stages.common import ArtifactRef, StageContext, run_stage
+from stages.reward_ref import RewardRef
 from storage.schema import EvalRow, to_table
 
 
@@ -32,7 +33,6 @@ class EvalConfig(BaseModel):
     temperature: float = Field(0.0, ge=0.0)  # greedy: a stable number to compare checkpoints by
     metric: str | None = None  # reward name behind accuracy; None = the score config's total
     success_threshold: float = 1.0  # an episode "succeeds" when the metric reward reaches this
-    every: int = Field(5, ge=1)  # in the train flow: evaluate every k GRPO steps (and at the start and end)
 
 
 def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_stage.TaskSpec,
@@ -46,17 +46,16 @@ def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_sta
                                                  "groups_per_shard": max(rollout_config.groups_per_shard, 32 // config.samples)})
     batch = rollout_stage.run(roll_cfg, ctx, policy_id, task, split=config.split, step=0)
     scored = score_stage.run(score_config, ctx, [batch.id])
-    metric = config.metric or score_config.total or score_config.rewards[0].name
-    version = score_stage.versions(score_config)[metric]
+    metric = RewardRef.configured(score_config, score_config.default_reward(config.metric))
 
     def body(eval_id: str, mlflow_run_id: str) -> dict[str, float]:
-        metrics = _metrics(ctx, batch.id, metric, version, config)
+        metrics = _metrics(ctx, batch.id, metric, config)
         rows = [EvalRow(policy_id, task.name, config.split, m, v, n * config.samples, eval_id) for m, v in metrics.items()]
         ctx.ws.write_part("evals", eval_id, to_table(rows, EvalRow), part="part-00000")
         return metrics
 
     return run_stage(ctx, "evaluate", "evals", [policy_id, batch.id, scored.id],
-                     {"eval": config.model_dump(), "metric": f"{metric}@{version}"}, body,
+                     {"eval": config, "metric": str(metric)}, body,
                      meta={"policy_id": policy_id, "split": config.split})
 
 
@@ -66,14 +65,14 @@ def _task_prompts(task: rollout_stage.TaskSpec, split: str) -> list:
     return load_task(task.name, task.params).prompts(split)
 
 
-def _metrics(ctx: StageContext, batch_id: str, metric: str, version: str, config: EvalConfig) -> dict[str, float]:
+def _metrics(ctx: StageContext, batch_id: str, metric: RewardRef, config: EvalConfig) -> dict[str, float]:
     rows = ctx.ws.query(
         "SELECT r.group_id, r.num_turns, r.num_tool_calls, r.finish_reason, "
         "  len(list_filter(r.messages, lambda m: m.role = 'tool' AND starts_with(coalesce(m.content, ''), 'error:'))) AS tool_errors, "
         "  w.value "
-        f"FROM rollouts r LEFT JOIN rewards w ON w.rollout_id = r.rollout_id AND w.reward_name = '{metric}' "
-        f"  AND w.reward_version = '{version}' WHERE r.batch_id = '{batch_id}'"
-    ).to_pylist()
+        "FROM rollouts r LEFT JOIN rewards w ON w.rollout_id = r.rollout_id AND w.reward_name = $name "
+        "  AND w.reward_version = $version WHERE r.batch_id = $batch",
+        {"name": metric.name, "version": metric.version, "batch": batch_id}).to_pylist()
     n = len(rows)
     success = [(r["value"] or 0.0) >= config.success_threshold - 1e-9 for r in rows]
     out = {

@@ -104,6 +104,7 @@ def policy_loss(
     behavior_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
+    *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     ratio_cap: float | None = None,

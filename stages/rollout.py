@@ -21,9 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
+from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
 from storage.schema import Rollout, to_table
-from tasks.base import Prompt, load_task
+from tasks.base import Prompt, content_digest, load_task
 
 
 class TaskSpec(BaseModel):
@@ -43,9 +43,9 @@ class RolloutConfig(BaseModel):
     tool_timeout: float = Field(10.0, gt=0.0)  # seconds per turn's tool calls; a hung tool becomes an error message
     stop: list[str] = Field(default_factory=list)  # extra stop strings (EOS always ends a turn)
     backend: Literal["hf", "vllm"] = "hf"  # hf: transformers (CPU default); vllm: GPU engine with LoRA
-    workers: int = Field(1, ge=1)  # >1: Ray actors, one policy replica each
-    groups_per_shard: int = Field(4, ge=1)  # resume granularity; also the generation batch (x G episodes)
-    ray_address: str | None = None  # join an existing Ray cluster instead of starting a local one
+    workers: int = Operational(1, ge=1)  # >1: Ray actors, one policy replica each
+    groups_per_shard: int = Operational(4, ge=1)  # resume granularity; also the generation batch (x G episodes)
+    ray_address: str | None = Operational(None)  # join an existing Ray cluster instead of starting a local one
     seed: int = 0  # base seed; each episode's seed derives from it, the step and its position
 
 
@@ -112,13 +112,13 @@ def _chunks(items: list, size: int) -> list[list]:
 
 
 def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec, split: str = "train",
-        step: int = 0, prompts_per_step: int | None = None, prompt_ids: list[str] | None = None) -> ArtifactRef:
+        step: int = 0, prompt_ids: list[str] | None = None) -> ArtifactRef:
     """Generate (or return the existing) rollout batch of `policy_id` on step `step`'s prompts
     (or on exactly `prompt_ids`, e.g. the prompts a scheduled run has not trained on yet)."""
-    n = prompts_per_step or config.prompts_per_step
-    available = load_task(task.name, task.params).prompts(split)
+    task_obj = load_task(task.name, task.params)
+    available = task_obj.prompts(split)
     if prompt_ids is None:
-        prompts = select_prompts(available, n, step)
+        prompts = select_prompts(available, config.prompts_per_step, step)
     else:
         by_id = {p.prompt_id: p for p in available}
         missing = [i for i in prompt_ids if i not in by_id]
@@ -126,9 +126,9 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
             raise KeyError(f"prompt ids not in the {split!r} split of {task.name}: {missing[:5]}")
         prompts = [by_id[i] for i in prompt_ids]
     base_model, adapter_dir = resolve_policy(ctx.ws, policy_id)
-    stage_config = {"rollout": config.model_dump(exclude={"workers", "ray_address", "groups_per_shard"}),
+    stage_config = {"rollout": config,
                     "task": task.model_dump(), "split": split, "step": step,
-                    "prompt_ids": [p.prompt_id for p in prompts]}
+                    "prompt_ids": [p.prompt_id for p in prompts], "task_content": content_digest(task_obj, prompts)}
     base_seed = config.seed * 1_000_003 + step * 10_007
 
     def body(batch_id: str, mlflow_run_id: str) -> dict[str, float]:

@@ -17,18 +17,17 @@ summary before writing that reward's rows (nothing partial is ever visible).
 from __future__ import annotations
 
 import gc
-import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from rewards.base import Outcome, RewardSpec, compute, fill_params, info, load_fn, reward_version, total_version, weighted_total
-from stages.common import CODE_VERSION, ArtifactRef, StageContext, run_stage
+from stages.common import CODE_VERSION, ArtifactRef, Operational, StageContext, run_stage
 from storage.ids import artifact_id, config_hash
 from storage.parquet import DataStore
 from storage.schema import ROLLOUTS, Rollout, from_table, now, reward_table
@@ -41,7 +40,11 @@ class ScoreConfig(BaseModel):
     rewards: list[RewardSpec] = Field(min_length=1)  # components; names must be unique
     total: str | None = "total"  # name of the weighted total (None: no total); GRPO trains on it by default
     max_error_fraction: float = Field(0.1, ge=0.0, le=1.0)  # fail loudly above this: a broken reward is not a signal
-    workers: int = Field(1, ge=1)  # >1: programmatic rewards over Ray workers, judge requests in threads
+    workers: int = Operational(1, ge=1)  # >1: programmatic rewards over Ray workers, judge requests in threads
+
+    def default_reward(self, preferred: str | None = None) -> str:
+        """The reward trained on / evaluated by: `preferred` if given, else the weighted total, else the first."""
+        return preferred or self.total or self.rewards[0].name
 
 
 class ScoreError(RuntimeError):
@@ -49,9 +52,14 @@ class ScoreError(RuntimeError):
 
 
 def versions(config: ScoreConfig) -> dict[str, str]:
-    """reward name -> version for every component and the total (raises ValueError on a bad spec)."""
+    """reward name -> version for every component and the total (raises ValueError on a bad spec, or
+    when two rewards, the total included, share a name: their rows would overwrite each other)."""
     out = {s.name: reward_version(s) for s in config.rewards}
+    if len(out) < len(config.rewards):
+        raise ValueError(f"reward names must be unique, got {[s.name for s in config.rewards]}")
     if config.total:
+        if config.total in out:
+            raise ValueError(f"the total's name {config.total!r} is also a component's name")
         out[config.total] = total_version(config.rewards)
     return out
 
@@ -251,21 +259,3 @@ def _write(ctx: StageContext, batch_id: str, vers: dict[str, str], rollout_ids: 
         acc[3] += n_err
     ctx.ws.write_artifacts("rewards", "score", items)
 
-
-def latest_version(ws, batches: list[str], name: str) -> str:
-    """The most recently scored version of reward `name` present for all `batches`."""
-    quoted = ", ".join("'" + b.replace("'", "''") + "'" for b in batches)
-    rows = ws.query(
-        f"SELECT reward_version, max(scored_at) AS t, count(DISTINCT batch_id) AS nb FROM rewards "
-        f"WHERE reward_name = '{name.replace(chr(39), '')}' AND batch_id IN ({quoted}) GROUP BY 1 "
-        f"HAVING nb = {len(set(batches))} ORDER BY t DESC LIMIT 1"
-    ).to_pylist()
-    if not rows:
-        raise KeyError(f"reward {name!r} has no version scored on all of {batches}")
-    return rows[0]["reward_version"]
-
-
-def summary(ref: ArtifactRef, ws) -> dict[str, Any]:
-    """The manifest of a score run: reward name -> version, and the parts per rollout batch."""
-    row = ws.catalog.get_artifact(ref.id)
-    return json.loads(row["meta"]) if isinstance(row["meta"], str) else row["meta"]

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from stages.common import ArtifactRef, StageContext, base_policy, run_stage
+from stages.checkpoints import Checkpoint, write_checkpoint
+from stages.common import ArtifactRef, StageContext, base_policy, identity, run_stage
+from stages.lora import LoRASettings
 from stages.model import resolve_model
 from storage.ids import config_hash
 
@@ -60,10 +60,9 @@ class SFTConfig(BaseModel):
     batch_size: int = 4  # per device; small batches keep CPU memory low with a 49k vocabulary
     grad_accum: int = 1  # raise it for a larger effective batch without more memory
     max_length: int = 1024  # tokens; a doc_search episode is ~500, longer ones are cut at the end
-    lora_r: int = 16  # adapter rank; enough for a format and a habit, not for new knowledge
-    lora_alpha: int = 32  # 2 x r, the common scaling
-    lora_dropout: float = 0.05  # light regularisation against overfitting small data sets
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention projections (Llama names)
+    # r 16 on the attention projections: enough for a format and a habit, not for new knowledge; light
+    # dropout against overfitting small data sets (GRPO turns it off when it continues this adapter).
+    lora: LoRASettings = Field(default_factory=lambda: LoRASettings(dropout=0.05))
     eval_fraction: float = 0.1  # held-out share of the data for eval loss before/after (0: none)
     seed: int = 0  # data split, adapter init and shuffling
 
@@ -125,8 +124,7 @@ def build_trainer(config: SFTConfig, model_path: str, train: list[list[dict[str,
     template and its datasets tokenized with assistant-only labels (-100 elsewhere)."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import SFTConfig as TRLSFTConfig
     from trl import SFTTrainer
 
@@ -168,17 +166,19 @@ def build_trainer(config: SFTConfig, model_path: str, train: list[list[dict[str,
         disable_tqdm=True,
         dataloader_pin_memory=cuda,  # pinning only helps host-to-GPU copies (and warns without a GPU)
     )
-    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=list(config.target_modules), task_type="CAUSAL_LM")
-    return AssistantLossTrainer(
+    trainer = AssistantLossTrainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list([{"messages": m} for m in train]),
         eval_dataset=Dataset.from_list([{"messages": m} for m in held_out]) if held_out else None,
         processing_class=tokenizer,
-        peft_config=lora,
+        peft_config=config.lora.peft_config(),
         callbacks=list(callbacks),
     )
+    # disable_tqdm makes the Trainer print every log dict to stdout; our LogToTracker callback sends them
+    # to MLflow instead, so the console keeps stage progress only.
+    trainer.remove_callback(PrinterCallback)
+    return trainer
 
 
 def run(config: SFTConfig, ctx: StageContext, base_model: str, data: str) -> ArtifactRef:
@@ -189,7 +189,6 @@ def run(config: SFTConfig, ctx: StageContext, base_model: str, data: str) -> Art
     parent_id = base_policy(ws, base_model)
     data_path = str(Path(data).resolve())
     data_hash = file_hash(data_path)
-    cfg = config.model_dump()
 
     def body(policy_id: str, run_id: str) -> dict[str, float]:
         from transformers import AutoTokenizer, TrainerCallback
@@ -205,34 +204,27 @@ def run(config: SFTConfig, ctx: StageContext, base_model: str, data: str) -> Art
         held_out, train = conversations[:n_eval], conversations[n_eval:]
         model_path = resolve_model(base_model)
 
-        final = ws.root / "checkpoints" / policy_id
-        tmp = final.with_name(f"{policy_id}.tmp-{os.getpid()}")  # same filesystem, so the rename is atomic
-        try:
-            with tempfile.TemporaryDirectory() as trainer_dir:
-                trainer = build_trainer(config, model_path, train, held_out, trainer_dir, [LogToTracker()])
-                metrics: dict[str, float] = {"n_train": len(train), "n_eval": len(held_out)}
-                if held_out:  # a fresh LoRA adapter is a no-op (B = 0), so this is the base model's loss
-                    metrics["eval_loss_before"] = trainer.evaluate()["eval_loss"]
-                start = time.perf_counter()
-                metrics["train_loss"] = trainer.train().training_loss
-                metrics["train_seconds"] = time.perf_counter() - start
-                metrics["steps"] = trainer.state.global_step
-                if held_out:
-                    metrics["eval_loss_after"] = trainer.evaluate()["eval_loss"]
-                trainer.model.save_pretrained(tmp, safe_serialization=True)
+        with tempfile.TemporaryDirectory() as trainer_dir:
+            trainer = build_trainer(config, model_path, train, held_out, trainer_dir, [LogToTracker()])
+            metrics: dict[str, float] = {"n_train": len(train), "n_eval": len(held_out)}
+            if held_out:  # a fresh LoRA adapter is a no-op (B = 0), so this is the base model's loss
+                metrics["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+            start = time.perf_counter()
+            metrics["train_loss"] = trainer.train().training_loss
+            metrics["train_seconds"] = time.perf_counter() - start
+            metrics["steps"] = trainer.state.global_step
+            if held_out:
+                metrics["eval_loss_after"] = trainer.evaluate()["eval_loss"]
+
+        def save(folder: Path) -> None:
+            trainer.model.save_pretrained(folder, safe_serialization=True)
             # The base model's own tokenizer, not the trainer's: the training template only adds mask markers.
-            AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
-            if final.exists():  # a forced rerun: os.replace cannot replace a non-empty folder
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # only left after a failure: never a half-written checkpoint
-        ws.catalog.add_checkpoint({
-            "policy_id": policy_id, "parent_id": parent_id, "base_model": base_model, "kind": "sft",
-            "adapter_uri": str(final), "step": 0, "trained_on": {"data": data_path, "data_hash": data_hash},
-            "config_hash": config_hash(cfg), "mlflow_run_id": run_id, "run_name": ctx.run_name,
-        })
+            AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+
+        write_checkpoint(ctx, Checkpoint(policy_id, parent_id=parent_id, base_model=base_model, kind="sft", step=0,
+                                         config_hash=config_hash(identity(config)), mlflow_run_id=run_id,
+                                         trained_on={"data": data_path, "data_hash": data_hash}), save=save)
         return metrics
 
-    return run_stage(ctx, "sft", "checkpoint", inputs=[parent_id, f"data:{data_hash}"], config=cfg, body=body,
+    return run_stage(ctx, "sft", "checkpoint", inputs=[parent_id, f"data:{data_hash}"], config=config, body=body,
                      version=VERSION)

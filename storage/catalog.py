@@ -96,12 +96,6 @@ class Catalog:
         with atomic_file(final) as f:
             pq.write_table(con.sql(f"SELECT * FROM {table}").to_arrow_table(), f)
 
-    def snapshot_all(self) -> None:
-        """Refresh every snapshot (e.g. after an upgrade added a table)."""
-        with self.connect() as con:
-            for table in DDL:
-                self._snapshot(con, table)
-
     def _rows(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []

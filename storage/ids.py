@@ -15,9 +15,14 @@ from typing import Any
 PREFIX = {"rollout": "ro", "score": "rw", "reward_set": "rs", "grpo": "ck", "sft": "ck", "evaluate": "ev", "base": "base"}
 
 
-def canonical_json(value: Any) -> str:
-    """JSON with sorted keys and no whitespace: equal values give equal text."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+def canonical_json(value: Any, strict: bool = False) -> str:
+    """JSON with sorted keys and no whitespace: equal values give equal text (and hashes).
+
+    strict: only JSON values (a TypeError for anything else, a ValueError for NaN/inf), for text that
+    is stored and read back (reward details) or must not hash two values alike (reward versions);
+    otherwise other values are written as their str() (ids of configs holding paths)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=not strict,
+                      default=None if strict else str, ensure_ascii=False)
 
 
 def config_hash(config: Any) -> str:

@@ -53,7 +53,7 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
     for table in DDL:
         snap = settings.snapshot_dir / f"{table}.parquet"
         if snap.exists():
-            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet('{snap}')")
+            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [str(snap)])
         else:
             con.execute(f"CREATE TABLE {table} ({DDL[table]})")
     for kind, schema in TABLES.items():

@@ -71,15 +71,16 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
     @contextmanager
-    def stage_run(self, stage: str, parent_run_id: str | None, artifact_id: str,
+    def stage_run(self, stage: str, parent_run_id: str | None, artifact_id: str, tags: dict[str, str] | None = None,
                   params: dict[str, Any] | None = None) -> Iterator[str]:
-        """A child run for one stage execution; FAILED if the body raises."""
-        run_id = self.start_run(stage, parent_run_id, tags={"rlops.stage": stage, "rlops.artifact_id": artifact_id},
-                                params=params)
+        """A child run for one stage execution, tagged with the stage and artifact id; FAILED if the
+        body raises an error, KILLED if it is interrupted (KeyboardInterrupt, SystemExit)."""
+        run_id = self.start_run(stage, parent_run_id, params=params,
+                                tags={"rlops.stage": stage, "rlops.artifact_id": artifact_id, **(tags or {})})
         try:
             yield run_id
-        except BaseException:
-            self.end_run(run_id, "FAILED")
+        except BaseException as e:
+            self.end_run(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
             raise
         self.end_run(run_id)
 

@@ -4,7 +4,7 @@
     ws.data.write("rollouts", batch_id, table)
     ws.catalog.complete_artifact(...)
     ws.tracker.start_run(...)        # MLflow, created on first use
-    ws.query("SELECT ... FROM rollouts JOIN rewards USING (rollout_id)")
+    ws.query("SELECT ... FROM rollouts WHERE batch_id = ?", [batch_id])
 
 Local and remote set-ups differ only in `Settings` (a data-root URI, a tracking URI).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -64,13 +64,16 @@ class Workspace:
             raise KeyError(f"no files registered for artifact {artifact_id}")
         return self.data.read([f["path"] for f in files], columns=columns)
 
-    def query(self, sql: str) -> pa.Table:
-        """Run SQL over the views (`rollouts`, `rewards`, `evals`) and catalog tables; for stage code."""
+    def query(self, sql: str, params: list[Any] | dict[str, Any] | None = None) -> pa.Table:
+        """Run SQL over the views (`rollouts`, `rewards`, `evals`) and catalog tables; for stage code.
+
+        Values (names, ids, lists of ids) go in `params` (`?` or `$name` placeholders), never into
+        the SQL text, so a quote in a run name is data, not syntax."""
         from storage.sql import open_views
 
         views = open_views(self.settings)
         try:
-            return views.con.sql(sql).to_arrow_table()
+            return views.con.sql(sql, params=params).to_arrow_table()
         finally:
             views.con.close()
 

@@ -14,6 +14,7 @@ An assistant turn with no tool call is the final answer.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import re
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from storage.atomic import atomic_file
+from storage.ids import canonical_json
 from storage.schema import ToolCall
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -52,6 +54,17 @@ class Task:
             {"role": "system", "content": render_system_prompt(self.system_prompt, self.tool_specs)},
             {"role": "user", "content": prompt.question},
         ]
+
+
+def content_digest(task: Task, prompts: list[Prompt]) -> str:
+    """16 hex digits of sha256 over what episodes of `prompts` start from and are judged against: the
+    rendered system prompt (tool list included), the tool schemas, the turn limit, and each prompt's
+    id, question and metadata (ground truth). Part of the rollout batch id, so a data file whose rows
+    change under the same prompt ids yields new rollouts. Tool *code* is not hashed (see ARCHITECTURE.md)."""
+    payload = {"system": render_system_prompt(task.system_prompt, task.tool_specs), "tools": task.tool_specs,
+               "max_turns": task.max_turns,
+               "prompts": [[p.prompt_id, p.question, p.metadata] for p in prompts]}
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:16]
 
 
 def render_system_prompt(system_prompt: str, tool_specs: list[dict[str, Any]]) -> str:

@@ -63,7 +63,7 @@ INVALID = [
     ("reward params it does not take", _with(score__rewards=[{"fn": "rewards.builtin.numeric_match", "params": {"x": 1}}]),
      ["score.rewards:"]),
     ("train reward not scored", _with(train_reward="style"), ["train_reward: 'style' is not one of"]),
-    ("temperature mismatch", _with(grpo__temperature=0.7), ["grpo.temperature (0.7) must equal rollout.temperature"]),
+    ("grpo temperature (the rollouts record theirs)", _with(grpo__temperature=0.7), ["grpo.temperature"]),
     ("sft data missing", _with(sft={"data": "/nonexistent/demos.jsonl"}), ["sft.data: file not found"]),
     ("bad run name", _with(name="my run!"), ["name:"]),
 ]

@@ -171,3 +171,13 @@ def test_a_continued_lineage_picks_up_prompts_added_since_the_last_run(tmp_path,
     assert sorted(r["q"] for r in questions) == ["What is 70 + 2?", "What is 71 + 2?"]
     assert ws.catalog.get_checkpoint(second.final)["parent_id"] == first.final
     assert ws.catalog.get_checkpoint(second.final)["step"] == 3
+
+
+def test_every_step_summary_field_appears(tmp_path, tiny_model_dir):
+    """The per-step line shows the step's reward and each GRPO field it names (none silently missing)."""
+    cfg = from_dict({**tiny_config(tiny_model_dir, name="fields", steps=1), "sft": None, "eval": {"n_prompts": 1}})
+    rows: list[dict] = []
+    pipeline.train(cfg, StageContext(Workspace.open(tmp_path / "ws"), run_name="fields"), on_step=rows.append)
+    steps = [r for r in rows if "step" in r]
+    assert len(steps) == 1
+    assert {"step", "batch", "policy", "reward_mean", *pipeline.STEP_FIELDS} <= set(steps[0])

@@ -18,7 +18,6 @@ from rewards.base import (
     group_reward,
     reward,
     reward_version,
-    score,
     total_version,
     weighted_total,
 )
@@ -201,12 +200,22 @@ def test_total_version_follows_components() -> None:
     assert total_version([a]) != base
 
 
-def test_score_writes_components_and_total(make_rollout) -> None:
+def test_components_and_weighted_total(make_rollout) -> None:
     rollouts = [make_rollout([Message("assistant", "82")], {"answer": 82}, loss_mask=[1] * 256)]
     specs = [RewardSpec(fn="rewards.builtin.numeric_match"), RewardSpec(fn="rewards.builtin.length_penalty", weight=0.5)]
-    scored = score(specs, rollouts)
-    assert [(s.name, s.outcomes[0].value) for s in scored] == [("numeric_match", 1.0), ("length_penalty", -0.5), ("total", 0.75)]
-    assert scored[-1].version == total_version(specs)
+    components = [compute(s, rollouts) for s in specs]
+    assert [c[0].value for c in components] == [1.0, -0.5]
+    assert weighted_total(specs, components)[0].value == 0.75
+
+
+@pytest.mark.parametrize("total, names", [("total", ["a", "a"]), ("a", ["a", "b"]), (None, ["a", "a"])])
+def test_score_config_refuses_clashing_names(total: str | None, names: list[str]) -> None:
+    # Two rewards (the total included) under one name would overwrite each other's rows.
+    from stages.score import ScoreConfig, versions
+
+    config = ScoreConfig(rewards=[RewardSpec(name=n, fn="rewards.builtin.exact_match") for n in names], total=total)
+    with pytest.raises(ValueError, match="name"):
+        versions(config)
 
 
 # --- versions -------------------------------------------------------------------------------------

@@ -35,9 +35,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_local_judge_runs_and_invalid_output_gives_error_rows(tiny_model: Path, make_rollout) -> None:
-    from rewards.ruler import make_client
+    from rewards.ruler import JudgeConfig, make_client
 
-    client = make_client("transformers", str(tiny_model), None, None, 60.0, 0, 1, 1.0, 6)
+    client = make_client(JudgeConfig(str(tiny_model), backend="transformers", max_retries=0, concurrency=1, max_tokens=6))
     reply = client.complete([{"role": "user", "content": "score 1 2"}])
     assert reply.prompt_tokens > 0 and 0 < reply.completion_tokens <= 6
 

@@ -17,7 +17,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.common import StageContext, base_policy
-from stages.grpo import GRPOConfig, LoRASettings, Sample, add_lora, run, train_on_batch
+from stages.grpo import GRPOConfig, run
+from stages.grpo_data import Sample, training_data
+from stages.grpo_train import train_on_batch
+from stages.lora import LoRASettings, add_lora
+from stages.reward_ref import RewardRef
 from stages.logprobs import token_logprobs
 from storage.schema import RewardRow, Rollout, to_table
 from storage.workspace import Workspace
@@ -68,7 +72,7 @@ def grpo_step(model, optimizer, prompts: torch.Tensor, config: GRPOConfig, seed:
 
     samples, rewards, groups = sample(model, prompts, G, seed)
     advantages = group_advantages(torch.tensor(rewards), groups, config.scale, config.baseline)
-    return train_on_batch(model, optimizer, samples, advantages, config)
+    return train_on_batch(model, optimizer, samples, advantages, config, temperature=1.0)
 
 
 def tiny_setup(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
@@ -144,7 +148,7 @@ def test_micro_batches_accumulate_to_the_full_batch_step(aggregation: str) -> No
         sgd = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0)
         config = LEARN.model_copy(update={"micro_batch_size": size, "micro_batch_tokens": budget,
                                           "aggregation": aggregation, "max_grad_norm": 1e9})
-        train_on_batch(m, sgd, samples, advantages, config)
+        train_on_batch(m, sgd, samples, advantages, config, temperature=1.0)
         params.append(torch.cat([p.detach().flatten() for p in m.parameters() if p.requires_grad]))
     torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(params[2], params[0], atol=1e-6, rtol=1e-5)
@@ -157,7 +161,7 @@ def test_micro_batches_accumulate_to_the_full_batch_step(aggregation: str) -> No
     ([50, 3], 8, 10, [[1], [0]]),  # a sequence over the budget still trains, alone
 ])
 def test_micro_batches_respect_the_sequence_and_token_limits(lengths, size, budget, expected) -> None:
-    from stages.grpo import _micro_batch_indices
+    from stages.grpo_train import _micro_batch_indices
 
     assert _micro_batch_indices(lengths, size, budget) == expected
 
@@ -199,7 +203,7 @@ def make_workspace(root: Path) -> tuple[Workspace, str, str]:
 def test_stage_end_to_end(tmp_path: Path) -> None:
     ws, parent, batch = make_workspace(tmp_path)
     ctx = StageContext(ws, run_name="toy-run")
-    ref = run(STAGE, ctx, parent, [batch], "toy")
+    ref = run(STAGE, ctx, parent, [batch], RewardRef("toy"))
     assert ref.kind == "checkpoint" and not ref.cached
 
     row = ws.catalog.get_checkpoint(ref.id)
@@ -223,20 +227,28 @@ def test_stage_end_to_end(tmp_path: Path) -> None:
 
     # Same inputs, the reward spelled with its version: the same checkpoint, not retrained.
     mtime = (folder / "adapter_model.safetensors").stat().st_mtime_ns
-    again = run(STAGE, ctx, parent, [batch], "toy@v1")
+    again = run(STAGE, ctx, parent, [batch], RewardRef.parse("toy@v1"))
     assert again.id == ref.id and again.cached
     assert (folder / "adapter_model.safetensors").stat().st_mtime_ns == mtime
     assert [r["status"] for r in ws.catalog.stage_runs(ref.id)] == ["complete", "cached"]
 
     # A second step from the new checkpoint continues its optimizer state.
-    nxt = run(STAGE, ctx, ref.id, [batch], "toy")
+    nxt = run(STAGE, ctx, ref.id, [batch], RewardRef("toy"))
     row2 = ws.catalog.get_checkpoint(nxt.id)
     assert row2["parent_id"] == ref.id and row2["step"] == 2
     opt = torch.load(Path(row2["adapter_uri"]) / "optimizer.pt", weights_only=True)
     assert {float(s["step"]) for s in opt["state"].values()} == {2.0}
 
-    with pytest.raises(ValueError, match="temperature"):
-        run(STAGE.model_copy(update={"temperature": 0.7}), ctx, parent, [batch], "toy")
+
+
+def test_update_takes_the_rollouts_temperature_and_refuses_a_mix() -> None:
+    def row(i: int, temperature: float) -> dict:
+        return {"rollout_id": f"r{i}", "batch_id": "b", "group_id": "g", "token_ids": [1, 2], "loss_mask": [0, 1],
+                "behavior_logprobs": [0.0, -1.0], "sampling": json.dumps({"temperature": temperature}), "value": float(i)}
+
+    assert training_data([row(0, 0.7), row(1, 0.7)], scale="group", baseline="mean").temperature == 0.7
+    with pytest.raises(ValueError, match="temperatures"):
+        training_data([row(0, 0.7), row(1, 1.0)], scale="group", baseline="mean")
 
 
 KILLED = textwrap.dedent("""
@@ -244,14 +256,15 @@ KILLED = textwrap.dedent("""
     from pathlib import Path
     import stages.grpo as grpo
     from stages.common import StageContext
+    from stages.reward_ref import RewardRef
     from storage.workspace import Workspace
 
     ws_dir, parent, batch, config, phase, marker = sys.argv[1:]
     if phase == "train":  # signal, then train "forever" (the id was computed from the real config)
         train = grpo.train_on_batch
-        def forever(model, optimizer, samples, advantages, config):
+        def forever(model, optimizer, samples, advantages, config, temperature):
             Path(marker).touch()
-            return train(model, optimizer, samples, advantages, config.model_copy(update={"epochs": 10**6}))
+            return train(model, optimizer, samples, advantages, config.model_copy(update={"epochs": 10**6}), temperature)
         grpo.train_on_batch = forever
     else:  # "save": stop just before the temp folder is renamed to its final name
         rename = os.replace
@@ -261,7 +274,7 @@ KILLED = textwrap.dedent("""
                 time.sleep(3600)
             rename(src, dst)
         os.replace = stall
-    grpo.run(grpo.GRPOConfig.model_validate_json(config), StageContext(Workspace.open(ws_dir)), parent, [batch], "toy")
+    grpo.run(grpo.GRPOConfig.model_validate_json(config), StageContext(Workspace.open(ws_dir)), parent, [batch], RewardRef("toy"))
 """)
 
 
@@ -287,7 +300,7 @@ def test_killed_stage_leaves_no_partial_checkpoint(tmp_path: Path, phase: str) -
     assert bool(leftover) == (phase == "save")
     assert [c["kind"] for c in ws.catalog.checkpoints()] == ["base"]
 
-    ref = run(STAGE, StageContext(ws), parent, [batch], "toy")
+    ref = run(STAGE, StageContext(ws), parent, [batch], RewardRef("toy"))
     assert not ref.cached
     assert sorted(p.name for p in ckpts.iterdir()) == [ref.id]  # one checkpoint; the stale temp folder is gone
     assert (ckpts / ref.id / "adapter_model.safetensors").exists()

@@ -9,9 +9,28 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.logprobs import sequence_logprobs_reference, token_logprobs
+from stages import logprobs
+from stages.logprobs import token_logprobs
 
 PAD = 0
+
+
+def sequence_logprobs_reference(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Naive full-softmax version of token_logprobs (positions_mask=None), the reference the chunked
+    one is checked against: builds the whole (B, T, V) float32 log-softmax."""
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=logprobs._position_ids(attention_mask),
+        use_cache=False,
+    ).logits.float() / temperature  # (B, T, V)
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    want = logprobs._scored_positions(attention_mask, None)
+    return torch.where(want, torch.nn.functional.pad(logp, (1, 0)), 0.0)  # (B, T)
+
+
 LENGTHS = [10, 7, 4]  # left-padded to T = 10: 9 + 6 + 3 = 18 scored rows, so chunk_size 5 -> 4 chunks
 
 

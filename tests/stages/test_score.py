@@ -149,4 +149,5 @@ def test_a_large_batch_is_split_over_ray_workers_and_written_whole(env, monkeypa
     assert score._slices(8, 2) == [(0, 4), (4, 8)] and score._slices(8, 1) == [None]
     score.run(config.model_copy(update={"workers": 2}), StageContext(ws, run_name="t", force=True), [batch])
     assert ws.query(query).to_pylist() == rows_one  # same rows, each reward artifact still one whole file
-    assert [len(ws.catalog.artifact_files(p)) for p in score.summary(score.run(config, ctx, [batch]), ws)["parts"][batch].values()] == [1, 1, 1]
+    parts = ws.catalog.get_artifact(score.run(config, ctx, [batch]).id)["meta"]["parts"][batch]
+    assert [len(ws.catalog.artifact_files(p)) for p in parts.values()] == [1, 1, 1]

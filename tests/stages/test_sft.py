@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from stages.common import ArtifactRef, StageContext, base_policy
+from stages.lora import LoRASettings
 from stages.sft import SFTConfig, build_trainer, load_conversations, run
 from storage.workspace import Workspace
 from tasks.base import parse_tool_calls
@@ -23,8 +24,8 @@ KNOWN_TOOLS = {spec["function"]["name"] for spec in TOOL_SPECS}
 # (fewer steps or attention-only adapters left some seeds at 0 well-formed calls); max_length keeps the
 # prompt and the first call (~215 tokens), the turn the tool-call test samples.
 CONFIG = SFTConfig(
-    max_steps=100, lr=1e-2, batch_size=4, max_length=256, lora_r=64, lora_alpha=128, lora_dropout=0.0,
-    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    max_steps=100, lr=1e-2, batch_size=4, max_length=256, lora=LoRASettings(r=64, alpha=128, dropout=0.0,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     eval_fraction=0.1, seed=0,
 )
 

@@ -1,0 +1,50 @@
+"""The one checkpoint writer: where a checkpoint's files go, how they appear, how it is registered.
+
+    path = write_checkpoint(ctx, Checkpoint(policy_id, parent_id=..., base_model=..., kind="grpo", step=3,
+                                            trained_on={...}, config_hash=..., mlflow_run_id=...),
+                            save=lambda folder: model.save_pretrained(folder))
+
+`save` fills a temporary folder next to `<checkpoints>/<policy_id>`; the folder is renamed onto the
+final path only when `save` returns (storage.atomic.atomic_dir: stale temps of killed runs are
+removed, a complete folder already there is replaced whole), and only then is the checkpoint
+registered in the catalog with its lineage. So a crash leaves a whole checkpoint or none, and the
+catalog never points at a half-written folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from stages.common import StageContext
+from storage.atomic import atomic_dir
+from storage.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint's catalog row (the `checkpoints` table), less what the writer fills in."""
+
+    policy_id: str
+    parent_id: str
+    base_model: str
+    kind: str  # sft | grpo
+    step: int
+    config_hash: str
+    mlflow_run_id: str | None = None
+    trained_on: dict[str, Any] = field(default_factory=dict)  # data hash, or rollout batches + reward name@version
+
+
+def checkpoint_path(ws: Workspace, policy_id: str) -> Path:
+    """Where a checkpoint's adapter folder lives."""
+    return ws.settings.checkpoints_dir / policy_id
+
+
+def write_checkpoint(ctx: StageContext, checkpoint: Checkpoint, save: Callable[[Path], None]) -> Path:
+    """Write the checkpoint's folder atomically with `save(folder)`, then register it; returns its path."""
+    final = checkpoint_path(ctx.ws, checkpoint.policy_id)
+    with atomic_dir(final) as tmp:
+        save(tmp)
+    ctx.ws.catalog.add_checkpoint({**asdict(checkpoint), "adapter_uri": str(final), "run_name": ctx.run_name})
+    return final

@@ -1,0 +1,101 @@
+"""What a GRPO update reads: the scored rollouts of some batches, turned into training samples and
+group-relative advantages.
+
+    data = read_training_data(ws, batches, RewardRef("correct", "1a2b..."), scale="group", baseline="mean")
+    data.samples, data.advantages, data.temperature, data.metrics
+
+Rows without a reward value (unscored, or the reward failed on them) are dropped before the group
+statistics; groups whose rewards all agree carry no signal and are skipped (counted in the metrics).
+The sampling temperature is read from the rollouts themselves (every rollout records it), so the
+importance ratio is computed at exactly the temperature the behaviour log-probs were taken at.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from stages.reward_ref import RewardRef
+from storage.workspace import Workspace
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What training needs of a rollout: tokens, which were sampled, and their behaviour log-probs."""
+
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 = sampled by the policy (trained on)
+    behavior_logprobs: list[float]  # aligned with token_ids; used where loss_mask is 1
+
+
+@dataclass
+class TrainingData:
+    samples: list[Sample]  # the rollouts of groups with signal
+    advantages: torch.Tensor  # (n,) one per sample
+    temperature: float  # the rollouts' sampling temperature
+    metrics: dict[str, float]  # reward mean/std, advantage stats, group counts
+
+
+def read_scored(ws: Workspace, batches: list[str], reward: RewardRef) -> list[dict[str, Any]]:
+    """One row per rollout of the batches with its `reward` value (None: unscored or errored);
+    the latest score wins if a reward version was written twice."""
+    missing = [b for b in batches if ws.catalog.get_artifact(b) is None]
+    if missing:
+        raise KeyError(f"rollout batches not complete or unknown: {missing}")
+    return ws.query("""
+        WITH r AS (
+            SELECT rollout_id, value FROM rewards
+            WHERE reward_name = $name AND reward_version = $version AND list_contains($batches, batch_id)
+            QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY scored_at DESC) = 1)
+        SELECT ro.rollout_id, ro.batch_id, ro.group_id, ro.token_ids, ro.loss_mask, ro.behavior_logprobs,
+               ro.sampling, r.value
+        FROM rollouts ro LEFT JOIN r USING (rollout_id)
+        WHERE list_contains($batches, ro.batch_id)
+        ORDER BY ro.batch_id, ro.group_id, ro.sample_idx""",
+        {"name": reward.name, "version": reward.version, "batches": list(batches)}).to_pylist()
+
+
+def sampling_temperature(rows: list[dict[str, Any]]) -> float:
+    """The one temperature the rows were sampled at (ValueError if they disagree)."""
+    temps = {float(json.loads(r["sampling"] or "{}").get("temperature", 1.0)) for r in rows}
+    if len(temps) != 1:
+        raise ValueError(f"the rollouts were sampled at several temperatures {sorted(temps)}: "
+                         "one update needs one (the importance ratio is taken at it)")
+    return temps.pop()
+
+
+def training_data(rows: list[dict[str, Any]], scale: str, baseline: str) -> TrainingData:
+    """Scored rows -> samples of the groups with signal, their advantages and the data metrics."""
+    import torch
+
+    from stages.grpo_loss import group_advantages, zero_variance_groups
+
+    if not rows:
+        raise ValueError("the batches hold no rollouts")
+    temperature = sampling_temperature(rows)
+    scored = [r for r in rows if r["value"] is not None]
+    if not scored:
+        raise ValueError("no rollout of these batches has a value for this reward")
+    rewards = torch.tensor([r["value"] for r in scored], dtype=torch.float32)  # (N,)
+    groups = [(r["batch_id"], r["group_id"]) for r in scored]
+    keep = ~zero_variance_groups(rewards, groups)  # (N,) bool; their advantages are 0 anyway
+    advantages = group_advantages(rewards, groups, scale, baseline)[keep]  # (n,)
+    samples = [Sample(r["token_ids"], r["loss_mask"], r["behavior_logprobs"])
+               for r, k in zip(scored, keep.tolist()) if k]
+    n_groups, n_zero = len(set(groups)), len({g for g, k in zip(groups, keep.tolist()) if not k})
+    return TrainingData(samples, advantages, temperature, {
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+        "advantage_mean": float(advantages.mean()) if samples else 0.0,
+        "advantage_std": float(advantages.std(unbiased=False)) if samples else 0.0,
+        "groups": float(n_groups), "zero_variance_groups": float(n_zero), "frac_zero_variance_groups": n_zero / n_groups,
+        "dropped_null_rewards": float(len(rows) - len(scored)), "trained_rollouts": float(len(samples)),
+    })
+
+
+def read_training_data(ws: Workspace, batches: list[str], reward: RewardRef, scale: str, baseline: str) -> TrainingData:
+    """`training_data` over the scored rollouts of `batches` (reward must carry its version)."""
+    return training_data(read_scored(ws, batches, reward), scale, baseline)

@@ -1,0 +1,203 @@
+"""How a GRPO update trains: micro-batches, the accumulated clipped loss, one optimizer step per epoch.
+
+    model, optimizer = load_for_update(base_model, adapter_dir, config)
+    history = train_on_batch(model, optimizer, samples, advantages, config, temperature=1.0)
+    save_update(folder, model, optimizer, state)
+
+torch, transformers and peft are imported inside functions: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stages.grpo_data import Sample
+from stages.lora import LoRASettings, add_lora
+from stages.model import resolve_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from stages.grpo import GRPOConfig
+
+
+@dataclass
+class _MicroBatch:
+    index: torch.Tensor  # (b,) positions in the sample list, for the advantages
+    input_ids: torch.Tensor  # (b, T) right-padded
+    attention_mask: torch.Tensor  # (b, T)
+    mask: torch.Tensor  # (b, T) bool: scored (sampled) positions
+    behavior_logp: torch.Tensor  # (b, T)
+    ref_logp: torch.Tensor | None = None  # (b, T), only when beta > 0
+
+
+def _micro_batch_indices(lengths: list[int], size: int, max_tokens: int | None) -> list[list[int]]:
+    """Sort by length and cut into micro-batches of at most `size` sequences and `max_tokens` padded
+    tokens (count x longest), so each pads only to its own longest sequence."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        # sorted ascending: adding i makes it the longest, so the padded size is (count + 1) * lengths[i]
+        if out and len(out[-1]) < size and (max_tokens is None or (len(out[-1]) + 1) * lengths[i] <= max_tokens):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _micro_batches(samples: list[Sample], size: int, device: Any, max_tokens: int | None = None) -> list[_MicroBatch]:
+    """Tensors of each micro-batch of `_micro_batch_indices` (right-padded)."""
+    import torch
+
+    out = []
+    for idx in _micro_batch_indices([len(s.token_ids) for s in samples], size, max_tokens):
+        T = max(len(samples[i].token_ids) for i in idx)
+        ids, attn = torch.zeros(len(idx), T, dtype=torch.long), torch.zeros(len(idx), T, dtype=torch.long)
+        mask, blp = torch.zeros(len(idx), T, dtype=torch.bool), torch.zeros(len(idx), T)
+        for row, i in enumerate(idx):  # right padding: positions stay 0..n-1, as at sampling time
+            s, n = samples[i], len(samples[i].token_ids)
+            ids[row, :n] = torch.tensor(s.token_ids)
+            attn[row, :n] = 1
+            mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+            blp[row, :n] = torch.tensor(s.behavior_logprobs)
+        mask[:, 0] = False  # the first token has no predecessor to score it from
+        out.append(_MicroBatch(torch.tensor(idx), ids.to(device), attn.to(device), mask.to(device), blp.to(device)))
+    return out
+
+
+def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.Tensor,
+                   config: GRPOConfig, temperature: float) -> list[dict[str, float]]:
+    """`config.epochs` optimizer steps of the GRPO loss on one batch (advantages: (N,), one per
+    sample); gradients are accumulated over micro-batches so each step sees the whole batch.
+    `temperature` is the one the samples were drawn at (their behaviour log-probs are taken at it).
+    Returns one metrics dict per epoch: loss, clip fractions, ratio_mean (1.0 on the first pass
+    when the behaviour log-probs came from this model), kl (beta > 0), grad_norm, tokens, tokens_per_s.
+    """
+    import torch
+
+    from stages.grpo_loss import policy_loss
+    from stages.logprobs import token_logprobs
+
+    if not samples:
+        return []
+    device = next(model.parameters()).device
+    batches = _micro_batches(samples, config.micro_batch_size, device, config.micro_batch_tokens)
+    advantages = advantages.float().to(device)
+    total_tokens = float(sum(int(b.mask.sum()) for b in batches))
+    # dr_grpo's constant normaliser must be the same for every micro-batch: the longest completion.
+    max_tokens = max(sum(s.loss_mask) for s in samples)
+    if config.beta > 0:  # the reference (adapter off) does not change during the step: score it once
+        with torch.no_grad(), model.disable_adapter():
+            for b in batches:
+                b.ref_logp = token_logprobs(model, b.input_ids, b.attention_mask, b.mask, temperature)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    _set_activation_checkpointing(model, config.activation_checkpointing)
+    history = []
+    for _ in range(config.epochs):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        sums = dict.fromkeys(["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean"], 0.0)
+        for b in batches:
+            _release_free_memory()
+            logp = token_logprobs(model, b.input_ids, b.attention_mask, b.mask, temperature)  # (b, T)
+            loss, stats = policy_loss(logp, b.behavior_logp, advantages[b.index.to(device)], b.mask,
+                                      eps_low=config.eps_low, eps_high=config.eps_high, ratio_cap=config.ratio_cap,
+                                      ref_logp=b.ref_logp, beta=config.beta, aggregation=config.aggregation,
+                                      max_tokens=max_tokens)
+            # Scale each micro-batch's mean so the accumulated sum is the mean over the whole batch.
+            n = stats["num_tokens"]
+            weight = n / total_tokens if config.aggregation == "token_mean" else len(b.index) / len(samples)
+            (loss * weight).backward()
+            sums["loss"] += float(loss.detach()) * weight
+            for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean"):
+                sums[k] += stats[k] * n / total_tokens  # token-weighted, like the stats themselves
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
+        optimizer.step()
+        seconds = time.perf_counter() - start
+        metrics = {**{k: v for k, v in sums.items() if k != "kl_mean"},
+                   "clip_frac": sums["clip_frac_low"] + sums["clip_frac_high"], "grad_norm": grad_norm,
+                   "tokens": total_tokens, "tokens_per_s": total_tokens / seconds}
+        if config.beta > 0:
+            metrics["kl"] = sums["kl_mean"]
+        history.append(metrics)
+    return history
+
+
+def _release_free_memory() -> None:
+    """Hand memory freed by the last micro-batch back to the OS (glibc only; a no-op elsewhere).
+
+    glibc keeps freed blocks of the previous backward pass in fragmented heaps, and the next micro-batch
+    allocates around them: measured on SmolLM2, trimming between micro-batches lowers the update's peak
+    RSS by ~200 MB at no measurable cost (a trim takes well under a millisecond here)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+def _set_activation_checkpointing(model: Any, on: bool) -> None:
+    from stages.logprobs import _causal_lm
+
+    lm = _causal_lm(model)
+    active = lm.is_activation_checkpointing if hasattr(lm, "is_activation_checkpointing") else lm.is_gradient_checkpointing
+    # transformers 5 renamed gradient_* to activation_*; the old names still work, with a warning.
+    if on and not active:
+        enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
+        # Non-reentrant: gradients reach the LoRA weights without requiring grad on the inputs.
+        enable({"use_reentrant": False})  # first parameter of both: the torch.utils.checkpoint kwargs
+    elif not on and active:
+        (getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable)()
+
+
+def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings) -> Any:
+    # Not stages.policy.load_policy: training needs no tokenizer (tokens come from the rollouts),
+    # and wants fp32 weights on every device (load_policy picks bf16 on cuda).
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(base_model), dtype=torch.float32).to(device)
+    if adapter_dir is None:
+        return add_lora(model, lora)
+    return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+
+
+def load_for_update(base_model: str, adapter_dir: str | None, config: GRPOConfig) -> tuple[Any, Any]:
+    """The trainable policy (a fresh `config.lora` adapter on a bare base model) and its AdamW optimizer,
+    continuing the parent step's Adam moments when the parent saved them."""
+    import torch
+
+    model = _load_trainable(base_model, adapter_dir, config.lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=config.lr, weight_decay=config.weight_decay)
+    parent_opt = Path(adapter_dir) / "optimizer.pt" if adapter_dir else None
+    if parent_opt is not None and parent_opt.exists():
+        optimizer.load_state_dict(torch.load(parent_opt, map_location="cpu", weights_only=True))
+        for group in optimizer.param_groups:  # the saved state carries the parent's lr; this config wins
+            group.update(lr=config.lr, weight_decay=config.weight_decay)
+    return model, optimizer
+
+
+def save_update(folder: Path, model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+    """Adapter (safetensors) + optimizer.pt (the next step continues it) + trainer_state.json into `folder`."""
+    import torch
+
+    model.save_pretrained(folder, safe_serialization=True)
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
