@@ -43,7 +43,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from rewards.reach import USER_FILE_MODULE_PREFIX, ReachWarning, reach
+from rewards.reach import USER_FILE_MODULE_PREFIX, ReachWarning, is_installed_file, reach
 from storage.schema import Rollout
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -159,7 +159,16 @@ def load_fn(path: str) -> Callable[..., Any]:
 def _load_file(path: Path) -> Any:
     # A user reward file is executed fresh on every load (never a stale module from sys.modules), under a
     # name unique to its path, and its lines are dropped from linecache so getsource reads the current file.
+    # Like a script, it can import the modules next to it; those are imported fresh too, so that in a
+    # long-running process (a served schedule) an edited helper module is both what runs and what the
+    # version reads, never an old module object next to new source text.
     path = path.resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    _forget_modules_of(path.parent)
+    if str(path.parent) in sys.path:
+        sys.path.remove(str(path.parent))
+    sys.path.insert(0, str(path.parent))  # first: a same-named module of another reward folder must not win
     name = USER_FILE_MODULE_PREFIX + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -169,6 +178,21 @@ def _load_file(path: Path) -> Any:
     linecache.cache.pop(str(path), None)
     spec.loader.exec_module(module)
     return module
+
+
+_RLOPS_PACKAGES = ("rewards", "storage", "tasks", "stages", "flows")  # never re-imported: their classes must stay one
+
+
+def _forget_modules_of(folder: Path) -> None:
+    """Drop from sys.modules the user modules in `folder`, and those its files would shadow."""
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        top = name.partition(".")[0]
+        if not file or top in _RLOPS_PACKAGES or is_installed_file(file):
+            continue
+        shadowed = (folder / f"{top}.py").exists() or (folder / top / "__init__.py").exists()
+        if shadowed or Path(file).resolve().is_relative_to(folder):
+            del sys.modules[name]
 
 
 def info(fn: Callable[..., Any]) -> RewardInfo:

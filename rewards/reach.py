@@ -139,7 +139,8 @@ def _is_stdlib(top: str) -> bool:
     return top in sys.stdlib_module_names or top in sys.builtin_module_names
 
 
-def _is_library_file(file: str | None) -> bool:
+def is_installed_file(file: str | None) -> bool:
+    """True for the standard library's and installed packages' files (and modules without a file)."""
     if not file:
         return True  # built-in and frozen modules have no file
     path = Path(file).resolve()
@@ -219,7 +220,7 @@ class _Walker:
         if _is_stdlib(top) or module_name == "builtins":
             return False
         module = sys.modules.get(module_name)
-        return module is not None and not _is_library_file(getattr(module, "__file__", None))
+        return module is not None and not is_installed_file(getattr(module, "__file__", None))
 
     # -- code
 
@@ -408,6 +409,8 @@ class _Names(ast.NodeVisitor):
         self.walker, self.fn, self.cells, self.label = walker, fn, cells, label
         self.skip_decorators, self.skip_functions = skip_decorators, skip_functions
         self.local_imports: dict[str, Any] = {}  # names bound by imports inside the function
+        code = getattr(fn, "__code__", None)
+        self.line_offset = code.co_firstlineno - 1 if code else 0  # AST lines count from the source's start
         self.depth = 0
 
     def resolve(self, node: ast.expr) -> tuple[bool, Any, str]:
@@ -479,7 +482,7 @@ class _Names(ast.NodeVisitor):
             self.walker.library(owner.__name__)
             return
         if value is sys.modules:
-            self.walker.dynamic(self.fn, self.label, "reads sys.modules", node.lineno)
+            self.walker.dynamic(self.fn, self.label, "reads sys.modules", node.lineno + self.line_offset)
         # `mod.name` where mod has no such attribute (yet) resolved to mod itself: all of mod is versioned.
         self.walker.visit(value, label)
 
@@ -492,7 +495,7 @@ class _Names(ast.NodeVisitor):
                 if target_found and isinstance(target, types.ModuleType) and not isinstance(node.args[1], ast.Constant):
                     reason = f"calls {value.__name__}() on the module {target.__name__} with a computed name"
             if reason:
-                self.walker.dynamic(self.fn, self.label, reason, node.lineno)
+                self.walker.dynamic(self.fn, self.label, reason, node.lineno + self.line_offset)
         self.generic_visit(node)
 
     # -- imports inside functions: a library by distribution, a user module walked (never imported if a library)
@@ -526,7 +529,7 @@ class _Names(ast.NodeVisitor):
             self.walker.library(top)
             return None
         spec = importlib.util.find_spec(top)
-        if spec is None or _is_library_file(spec.origin or (list(spec.submodule_search_locations or [None])[0])):
+        if spec is None or is_installed_file(spec.origin or (list(spec.submodule_search_locations or [None])[0])):
             self.walker.library(top)  # installed code: never imported here (torch would cost seconds)
             return None
         return importlib.import_module(name)
