@@ -17,10 +17,9 @@ torch, transformers and peft are imported inside functions: importing this modul
 
 from __future__ import annotations
 
+import errno
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
 from stages.model import resolve_model
+from storage.atomic import WriteError, atomic_dir
 from storage.ids import config_hash
 from storage.workspace import Workspace
 
@@ -321,30 +321,21 @@ def _training_data(rows: list[dict[str, Any]], config: GRPOConfig) -> tuple[list
     }
 
 
-def _clear_stale_tmp(final: Path) -> None:
-    """Remove temp folders of this checkpoint left by killed runs (their process is gone)."""
-    for tmp in final.parent.glob(f"{final.name}.tmp-*"):
-        try:
-            os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _save_checkpoint(final: Path, model: Any, optimizer: Any, state: dict[str, Any]) -> None:
     """Adapter (safetensors) + optimizer.pt + trainer_state.json, written to a temp folder and
-    renamed, so `final` never holds a half-written checkpoint."""
+    renamed (`atomic_dir`), so `final` never holds a half-written checkpoint and a failed write
+    leaves nothing behind."""
     import torch
 
-    _clear_stale_tmp(final)
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    # A complete folder may already sit under the final name (forced rerun, or a run killed
-    # after the rename but before registering); a directory rename needs an absent target.
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    try:
+        with atomic_dir(final) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    except WriteError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors and torch.save report a full disk in their own types, without the path
+        raise WriteError(errno.EIO, f"cannot write {final}: {e}") from e
 
 
 def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list[str], reward: str) -> ArtifactRef:
