@@ -220,7 +220,15 @@ class _Walker:
         if _is_stdlib(top) or module_name == "builtins":
             return False
         module = sys.modules.get(module_name)
-        return module is not None and not is_installed_file(getattr(module, "__file__", None))
+        if module is None:
+            return False
+        file = getattr(module, "__file__", None)
+        if file is None:
+            # No file: a namespace package (installed if all its folders are), or code made at run time
+            # (a notebook's __main__): that is the user's, and versioned as such.
+            folders = list(getattr(module, "__path__", []))
+            return not folders or not all(is_installed_file(f) for f in folders)
+        return not is_installed_file(file)
 
     # -- code
 
