@@ -498,8 +498,8 @@ class _Names(ast.NodeVisitor):
         found, value, _ = self.resolve(node.func) if _is_chain(node.func) else (False, None, "")
         if found:
             reason = _DYNAMIC_CALLS.get(value) if _hashable(value) else None
-            if reason is None and value in (getattr, hasattr, setattr, delattr) and len(node.args) >= 2:
-                target_found, target, target_label = self.resolve(node.args[0]) if _is_chain(node.args[0]) else (False, None, "")
+            if reason is None and any(value is f for f in (getattr, hasattr, setattr, delattr)) and len(node.args) >= 2:
+                target_found, target, _ = self.resolve(node.args[0]) if _is_chain(node.args[0]) else (False, None, "")
                 if target_found and isinstance(target, types.ModuleType) and not isinstance(node.args[1], ast.Constant):
                     reason = f"calls {value.__name__}() on the module {target.__name__} with a computed name"
             if reason:
@@ -518,8 +518,10 @@ class _Names(ast.NodeVisitor):
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         name = node.module or ""
         if node.level:
-            package = _module_of(self.fn).rpartition(".")[0] if node.level else None
-            name = importlib.util.resolve_name("." * node.level + name, package or "")
+            try:
+                name = importlib.util.resolve_name("." * node.level + name, _module_of(self.fn).rpartition(".")[0])
+            except (ImportError, ValueError):  # a relative import outside a package fails when it runs, too
+                return
         module = self._import(name)
         if module is None:
             return
@@ -529,18 +531,25 @@ class _Names(ast.NodeVisitor):
             elif hasattr(module, alias.name):
                 self.local_imports[alias.asname or alias.name] = getattr(module, alias.name)
             else:  # a submodule
-                self.local_imports[alias.asname or alias.name] = importlib.import_module(f"{name}.{alias.name}")
+                submodule = self._import(f"{name}.{alias.name}")
+                if submodule is not None:
+                    self.local_imports[alias.asname or alias.name] = submodule
 
     def _import(self, name: str) -> types.ModuleType | None:
+        """The user module `name` (imported), or None after recording an installed one's distribution."""
         top = name.partition(".")[0]
         if _is_stdlib(top):
             self.walker.library(top)
             return None
-        spec = importlib.util.find_spec(top)
-        if spec is None or is_installed_file(spec.origin or (list(spec.submodule_search_locations or [None])[0])):
-            self.walker.library(top)  # installed code: never imported here (torch would cost seconds)
+        try:
+            spec = importlib.util.find_spec(top)
+            if spec is None or is_installed_file(spec.origin or (list(spec.submodule_search_locations or [None])[0])):
+                self.walker.library(top)  # installed code: never imported here (torch would cost seconds)
+                return None
+            return importlib.import_module(name)
+        except ImportError as e:  # e.g. an optional import guarded by try/except: whether it imports is versioned
+            self.walker.out.values[f"import {name}"] = f"not importable: {type(e).__name__}"
             return None
-        return importlib.import_module(name)
 
 
 def _owner_module(names: _Names, node: ast.expr) -> types.ModuleType | None:

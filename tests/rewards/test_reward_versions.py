@@ -70,6 +70,13 @@ REWARDS = textwrap.dedent(
         return 1.0
 
 
+    @reward(low=0, high=1)
+    def imports_inside(rollout):
+        import deeper
+        import pyarrow
+        return float(deeper.clip(len(rollout.messages)) + len(pyarrow.__version__) * 0)
+
+
     def make(limit):
         @reward(low=0, high=1)
         def closed(rollout):
@@ -155,6 +162,14 @@ def test_defaults_closures_and_path_constants_are_reached(tree) -> None:
     assert version_of(tree, "reads_lexicon") != lexicon  # a Path constant to a data file: its content
     edit(tree / "my_rewards.py", "made = make(4)", "made = make(5)")
     assert version_of(tree, "made") != closed  # a closure cell
+
+
+def test_imports_inside_the_function_are_followed(tree) -> None:
+    found = reach(load_fn(f"{tree / 'my_rewards.py'}:imports_inside"))
+    assert "deeper.clip" in found.code and found.libraries == {"pyarrow": importlib.metadata.version("pyarrow")}
+    before = version_of(tree, "imports_inside")
+    edit(tree / "deeper.py", "min(n, 0)", "min(n, 1)")
+    assert version_of(tree, "imports_inside") != before
 
 
 def test_declared_data_files_enter_by_content(tree) -> None:
