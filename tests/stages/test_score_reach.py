@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from rewards.base import RewardSpec
 from stages import score
 from stages.common import StageContext
@@ -23,6 +25,7 @@ REWARD = textwrap.dedent(
 HELPER = 'def is_correct(answer):\n    return answer == "1987"\n'
 
 
+@pytest.mark.slow  # ~40 s on a loaded machine, most of it creating the workspace's MLflow database
 def test_a_helper_edit_rescores_with_a_new_version(ws, tmp_path) -> None:  # noqa: F811 - the fixture
     (tmp_path / "answers.py").write_text(HELPER)
     (tmp_path / "my_rewards.py").write_text(REWARD)
