@@ -139,11 +139,12 @@ def check_params(make_task: Callable[..., Task], params: dict[str, Any]) -> dict
                 problems.append(f"task.params.{key}: unknown parameter (make_task takes {', '.join(named) or 'none'})")
             out[key] = value
             continue
-        hint = hints.get(key)
-        if hint is None:
+        try:
+            adapter = TypeAdapter(hints[key])
+        except Exception:  # noqa: BLE001 - no hint, or one pydantic cannot check (a Callable): passed as it is
             out[key] = value
             continue
-        adapter = TypeAdapter(hint)
+        hint = hints[key]
         try:
             out[key] = adapter.validate_python(value, strict=True)
         except ValidationError:
