@@ -58,7 +58,7 @@ class RunConfig(BaseModel):
 def semantic_problems(cfg: RunConfig) -> list[str]:
     """Checks that need more than types: loadable task and rewards, files that exist, consistent sections."""
     from stages.model import DEFAULT_MODEL
-    from tasks.base import load_task
+    from tasks.base import TaskParamsError, load_task
 
     problems = []
     try:
@@ -66,6 +66,8 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
         for split in ("train", cfg.eval.split):
             if not task.prompts(split):
                 problems.append(f"task: split {split!r} has no prompts")
+    except TaskParamsError as e:
+        problems.extend(e.problems)  # each already names its param: task.params.digits: expected int, ...
     except Exception as e:  # noqa: BLE001 - any failure to build the task is a config problem to report
         problems.append(f"task: cannot load {cfg.task.name!r}: {type(e).__name__}: {e}")
     try:

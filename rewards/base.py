@@ -11,8 +11,10 @@ that returns a float or `(float, details_dict)`:
 
 A `RewardSpec` names the function by import path (`rewards.builtin.exact_match`) or by file
 (`my_rewards.py:my_fn`) and gives its params and weight. The version of a reward is a short hash
-of its source code (plus the sources/texts it declares in `uses=`) and its params, so editing the
-reward or its params changes the version and nothing else does.
+of everything that can change its values: its source and all of the user's code it reaches
+(helpers, classes, module constants, closures, defaults; see `rewards.reach`), the installed
+libraries it uses by name and version, the data files it declares, and its params. An edit
+anywhere in that reach changes the version; an edit outside it does not.
 
 `compute` never raises because of what a reward does on a rollout: exceptions, NaN/inf,
 non-numbers and out-of-range values become an `Outcome` with value None and the reason in
@@ -30,14 +32,17 @@ import linecache
 import math
 import numbers
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from rewards.reach import USER_FILE_MODULE_PREFIX, ReachWarning, is_installed_file, reach
 from storage.ids import canonical_json
 from storage.schema import Rollout
 
@@ -52,48 +57,57 @@ class RewardInfo:
     kind: Literal["rollout", "group"]
     low: float
     high: float
-    uses: tuple[Callable[..., Any] | str, ...] = ()  # helpers/texts whose edits must change the version
+    uses: tuple[Any, ...] = ()  # what the version covers beyond what the source's names reach (see `reward`)
     unversioned: tuple[str, ...] = ()  # operational params (timeouts, cache dirs) that cannot change values
     tokens: bool = False  # reads token_ids/loss_mask/behavior_logprobs (the score stage loads them only then)
+    files: tuple[str, ...] = ()  # data files whose content is part of the version
 
 
 def _declare(
     kind: Literal["rollout", "group"], low: float, high: float, uses: Sequence[Any], unversioned: Sequence[str],
-    tokens: bool = False,
+    tokens: bool = False, files: Sequence[str | PathLike[str]] = (),
 ) -> Callable[[F], F]:
     if not low <= high:
         raise ValueError(f"reward range is empty: low={low} > high={high}")
 
     def mark(fn: F) -> F:
         # The function itself is returned (not a wrapper), so it stays a plain, callable, testable function.
-        fn.__reward__ = RewardInfo(kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens)  # type: ignore[attr-defined]
+        fn.__reward__ = RewardInfo(  # type: ignore[attr-defined]
+            kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files)
+        )
         return fn
 
     return mark
 
 
 def reward(
-    low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False
+    low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
+    files: Sequence[str | PathLike[str]] = (),
 ) -> Callable[[F], F]:
     """Declare `fn(rollout, **params) -> float | (float, dict)` a reward with values in [low, high].
 
-    `uses`: helper functions (their source is hashed) or constant strings (hashed as text) the reward
-    depends on, so editing them changes its version. `unversioned`: param names that do not affect
-    values (timeouts, cache dirs) and so stay out of the version. `tokens`: the reward reads the token
-    lists (token_ids, loss_mask, behavior_logprobs); rescoring loads them only for such rewards, since
-    turning ~300 token ids per rollout into Python objects would dominate its cost.
+    The version covers what the function's source reaches by name, found automatically. `uses`: what it
+    depends on that names do not show (code reached through a parameter's methods): functions and
+    classes are walked like helpers, strings and other values hashed as they are. `files`: data files
+    (or folders) the reward reads, whose content is part of the version; a relative path is taken from
+    the folder of the reward's file, so read it as `Path(__file__).parent / name`. `unversioned`: param
+    names that do not affect values (timeouts, cache dirs) and so stay out of the version. `tokens`: the
+    reward reads the token lists (token_ids, loss_mask, behavior_logprobs); rescoring loads them only for
+    such rewards, since turning ~300 token ids per rollout into Python objects would dominate its cost.
     """
-    return _declare("rollout", low, high, uses, unversioned, tokens)
+    return _declare("rollout", low, high, uses, unversioned, tokens, files)
 
 
 def group_reward(
-    low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False
+    low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
+    files: Sequence[str | PathLike[str]] = (),
 ) -> Callable[[F], F]:
     """Declare `fn(group: list[Rollout], **params) -> list[float | (float, dict)]` a group reward (a ranker).
 
     It gets all rollouts of one `group_id` and returns one value per rollout, in the same order.
+    The keywords are those of `reward`.
     """
-    return _declare("group", low, high, uses, unversioned, tokens)
+    return _declare("group", low, high, uses, unversioned, tokens, files)
 
 
 class RewardSpec(BaseModel):
@@ -145,8 +159,17 @@ def load_fn(path: str) -> Callable[..., Any]:
 def _load_file(path: Path) -> Any:
     # A user reward file is executed fresh on every load (never a stale module from sys.modules), under a
     # name unique to its path, and its lines are dropped from linecache so getsource reads the current file.
+    # Like a script, it can import the modules next to it; those are imported fresh too, so that in a
+    # long-running process (a served schedule) an edited helper module is both what runs and what the
+    # version reads, never an old module object next to new source text.
     path = path.resolve()
-    name = "rlops_user_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    _forget_modules_of(path.parent)
+    if str(path.parent) in sys.path:
+        sys.path.remove(str(path.parent))
+    sys.path.insert(0, str(path.parent))  # first: a same-named module of another reward folder must not win
+    name = USER_FILE_MODULE_PREFIX + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"not a Python file: {path}")
@@ -155,6 +178,21 @@ def _load_file(path: Path) -> Any:
     linecache.cache.pop(str(path), None)
     spec.loader.exec_module(module)
     return module
+
+
+_RLOPS_PACKAGES = ("rewards", "storage", "tasks", "stages", "flows")  # never re-imported: their classes must stay one
+
+
+def _forget_modules_of(folder: Path) -> None:
+    """Drop from sys.modules the user modules in `folder`, and those its files would shadow."""
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        top = name.partition(".")[0]
+        if not file or top in _RLOPS_PACKAGES or is_installed_file(file):
+            continue
+        shadowed = (folder / f"{top}.py").exists() or (folder / top / "__init__.py").exists()
+        if shadowed or Path(file).resolve().is_relative_to(folder):
+            del sys.modules[name]
 
 
 def info(fn: Callable[..., Any]) -> RewardInfo:
@@ -187,12 +225,17 @@ def short_hash(value: Any) -> str:
 
 
 def fn_version(fn: Callable[..., Any], params: dict[str, Any]) -> str:
-    """Version of a decorated reward under `params`: hash of its source, its `uses`, and its versioned params."""
+    """Version of a decorated reward under `params`: hash of its declaration, its reach (`rewards.reach`:
+    code, values, libraries, declared files) and its versioned params. Where the reach cannot be
+    determined (eval, dynamic imports), a `ReachWarning` says why and the whole module is versioned."""
     decl = info(fn)
-    sources = [inspect.getsource(fn)] + [u if isinstance(u, str) else inspect.getsource(u) for u in decl.uses]
+    found = reach(fn, uses=decl.uses, files=decl.files)
+    for message in found.warnings:
+        warnings.warn(message, ReachWarning, stacklevel=2)
     versioned = {k: v for k, v in _bound_params(fn, params).items() if k not in decl.unversioned}
+    identity = {"reward": [decl.kind, decl.low, decl.high], "reach": found.fingerprint(), "params": versioned}
     try:
-        return short_hash({"source": sources, "params": versioned})
+        return short_hash(identity)
     except TypeError as e:
         raise ValueError(f"params of {fn.__name__} must be JSON values: {e}") from e
 

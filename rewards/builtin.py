@@ -1,8 +1,8 @@
 """Built-in rewards: answer matching, format checks, a length penalty, and doc_search tool-use shaping.
 
 Each is a plain decorated function over one `Rollout`; ground truth comes from `rollout.metadata`.
-Shared helpers are listed in `uses=` so that editing them changes the version of every reward
-that calls them.
+Their versions follow the rule for every reward (`rewards.reach`): editing a helper or constant a
+reward reaches (`final_answer`, `NUMBER_RE`, ...) changes the version of every reward that calls it.
 
 The final answer is the content of the last assistant message when that message makes no tool
 call; an episode that ended on a tool call (turn limit) has no answer.
@@ -58,7 +58,7 @@ def json_args(arguments: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-@reward(low=0.0, high=1.0, uses=(final_answer, last_number, NUMBER_RE.pattern))
+@reward(low=0.0, high=1.0)
 def numeric_match(rollout: Rollout, key: str = "answer", tolerance: float = 1e-6) -> tuple[float, dict[str, Any]]:
     """1.0 if the last number in the final answer equals `metadata[key]` (within `tolerance`), else 0.0."""
     expected = float(rollout.metadata[key])  # a missing ground truth is an error row, not a silent 0
@@ -68,7 +68,7 @@ def numeric_match(rollout: Rollout, key: str = "answer", tolerance: float = 1e-6
     return float(ok), {"predicted": predicted, "expected": expected}
 
 
-@reward(low=0.0, high=1.0, uses=(final_answer, normalize))
+@reward(low=0.0, high=1.0)
 def exact_match(rollout: Rollout, key: str = "answer", mode: str = "normalized") -> tuple[float, dict[str, Any]]:
     """1.0 if the final answer matches `metadata[key]`, else 0.0.
 
@@ -91,7 +91,7 @@ def exact_match(rollout: Rollout, key: str = "answer", mode: str = "normalized")
     return float(ok), {"answer": answer, "expected": expected, "mode": mode}
 
 
-@reward(low=0.0, high=1.0, uses=(final_answer, tool_calls, json_args))
+@reward(low=0.0, high=1.0)
 def format_ok(
     rollout: Rollout, tools: list[str] | None = None, require_answer: bool = True
 ) -> tuple[float, dict[str, Any]]:
@@ -122,7 +122,7 @@ def length_penalty(rollout: Rollout, limit: int = 512) -> tuple[float, dict[str,
     return -min(1.0, generated / limit), {"generated_tokens": generated, "limit": limit}
 
 
-@reward(low=0.0, high=1.0, uses=(tool_calls, json_args))
+@reward(low=0.0, high=1.0)
 def doc_retrieved(
     rollout: Rollout, key: str = "answer_doc_id", search_credit: float = 1.0
 ) -> tuple[float, dict[str, Any]]:

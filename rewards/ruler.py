@@ -274,7 +274,6 @@ def _make_client(config: JudgeConfig) -> ChatClient:
 @group_reward(
     low=0.0,
     high=1.0,
-    uses=(rank, judge_messages, parse_scores, orders, common_prefix_len, _judge, DEFAULT_RUBRIC, INSTRUCTIONS, CORRECTION),
     unversioned=("timeout", "max_retries", "concurrency", "backoff", "cache_dir"),
 )
 def ruler_reward(

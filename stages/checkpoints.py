@@ -8,17 +8,19 @@
 final path only when `save` returns (storage.atomic.atomic_dir: stale temps of killed runs are
 removed, a complete folder already there is replaced whole), and only then is the checkpoint
 registered in the catalog with its lineage. So a crash leaves a whole checkpoint or none, and the
-catalog never points at a half-written folder.
+catalog never points at a half-written folder. A failed write (a full disk, a file-size limit) raises
+`WriteError` naming the checkpoint's folder, whatever the serializer's own error type.
 """
 
 from __future__ import annotations
 
+import errno
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from stages.common import StageContext
-from storage.atomic import atomic_dir
+from storage.atomic import WriteError, atomic_dir
 from storage.workspace import Workspace
 
 
@@ -44,7 +46,12 @@ def checkpoint_path(ws: Workspace, policy_id: str) -> Path:
 def write_checkpoint(ctx: StageContext, checkpoint: Checkpoint, save: Callable[[Path], None]) -> Path:
     """Write the checkpoint's folder atomically with `save(folder)`, then register it; returns its path."""
     final = checkpoint_path(ctx.ws, checkpoint.policy_id)
-    with atomic_dir(final) as tmp:
-        save(tmp)
+    try:
+        with atomic_dir(final) as tmp:
+            save(tmp)
+    except WriteError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors and torch.save report a full disk in their own types, without the path
+        raise WriteError(errno.EIO, f"cannot write {final}: {e}") from e
     ctx.ws.catalog.add_checkpoint({**asdict(checkpoint), "adapter_uri": str(final), "run_name": ctx.run_name})
     return final

@@ -4,14 +4,24 @@ Uses `MlflowClient` with explicit run ids throughout: MLflow's fluent active-run
 thread-local, so Prefect task threads and Ray workers could not see the parent otherwise.
 Artifact ids are written as tags (`rlops.artifact_id`), and the catalog stores MLflow run
 ids, so each side points at the other. mlflow is imported lazily (~2 s).
+
+A write that fails for lack of space (a full disk, a file-size limit) raises `WriteError` naming
+the SQLite database or the artifact's destination: MLflow itself reports only "disk I/O error".
+SQLite rolls the failed transaction back, and MLflow writes artifacts to a temp name first, so
+nothing partial is recorded; the same call succeeds once there is space again.
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import unquote, urlparse
+
+from storage.atomic import WriteError
 
 PARENT_TAG = "mlflow.parentRunId"  # what MLflow's UI uses to nest runs
 RUN_NAME_TAG = "mlflow.runName"
@@ -24,13 +34,31 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        found = self.client.get_experiment_by_name(experiment)
-        if found is None:
-            location = artifact_location if "://" in artifact_location else Path(artifact_location).resolve().as_uri()
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-        else:
-            self.experiment_id = found.experiment_id
+        # The database file a failed write names (None for a remote tracking server).
+        self.db_path = tracking_uri.removeprefix("sqlite:///") if tracking_uri.startswith("sqlite:///") else None
+        with self._writing():
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                location = artifact_location if "://" in artifact_location else Path(artifact_location).resolve().as_uri()
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            else:
+                self.experiment_id = found.experiment_id
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Turn MLflow's "(sqlite3.OperationalError) disk I/O error" into a WriteError naming the database."""
+        from mlflow.exceptions import MlflowException
+        from sqlalchemy.exc import OperationalError
+
+        try:
+            yield
+        except (MlflowException, OperationalError) as e:
+            reason = _sqlite_storage_error(e)
+            if reason is None or self.db_path is None:
+                raise
+            raise WriteError(errno.EIO, f"cannot write {self.db_path}: {reason} (is the disk full, or a "
+                                        "file-size limit reached?)") from e
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None,
                   params: dict[str, Any] | None = None) -> str:
@@ -38,7 +66,8 @@ class Tracker:
         all_tags = {RUN_NAME_TAG: name, **(tags or {})}
         if parent_run_id:
             all_tags[PARENT_TAG] = parent_run_id
-        run = self.client.create_run(self.experiment_id, tags=all_tags, run_name=name)
+        with self._writing():
+            run = self.client.create_run(self.experiment_id, tags=all_tags, run_name=name)
         if params:
             self.log_params(run.info.run_id, params)
         return run.info.run_id
@@ -48,7 +77,8 @@ class Tracker:
 
         flat = _flatten(params)
         # MLflow caps param values at 6000 chars; configs are far below that.
-        self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
+        with self._writing():
+            self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
         """Log finite numeric metrics (NaN/inf are skipped rather than poisoning charts)."""
@@ -60,15 +90,18 @@ class Tracker:
         batch = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and math.isfinite(float(v))]
         if batch:
-            self.client.log_batch(run_id, metrics=batch)
+            with self._writing():
+                self.client.log_batch(run_id, metrics=batch)
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        with self._writing():
+            self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
-        self.client.set_terminated(run_id, status=status)
+        with self._writing():
+            self.client.set_terminated(run_id, status=status)
 
     @contextmanager
     def stage_run(self, stage: str, parent_run_id: str | None, artifact_id: str, tags: dict[str, str] | None = None,
@@ -85,7 +118,25 @@ class Tracker:
         self.end_run(run_id)
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(run_id, str(path), artifact_path)
+        """Copy a local file into the run's artifacts (under `artifact_path`); WriteError names the destination."""
+        try:
+            self.client.log_artifact(run_id, str(path), artifact_path)
+        except OSError as e:
+            if isinstance(e, WriteError) or e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise
+            base = urlparse(self.client.get_run(run_id).info.artifact_uri)
+            root = unquote(base.path) if base.scheme in ("", "file") else self.client.get_run(run_id).info.artifact_uri
+            dest = "/".join(x for x in (root, artifact_path, Path(path).name) if x)
+            raise WriteError(e.errno, f"cannot write {dest}: {e.strerror}") from e
+
+
+def _sqlite_storage_error(e: BaseException) -> str | None:
+    """SQLite's own reason when `e` was caused by a failed write to the database file, else None."""
+    while e is not None:
+        if isinstance(e, sqlite3.OperationalError) and str(e) in ("disk I/O error", "database or disk is full"):
+            return f"SQLite: {e}"
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return None
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 import re
+import typing
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable, Iterable
 
 from storage.atomic import atomic_file
@@ -106,8 +108,20 @@ def parse_tool_calls(text: str, turn: int) -> list[ToolCall]:
     return calls
 
 
+class TaskParamsError(ValueError):
+    """Task params that do not fit `make_task`'s signature: one `task.params.<name>: ...` line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
 def load_task(name: str, params: dict[str, Any] | None = None) -> Task:
-    """Build a task by built-in name (`arithmetic`, `doc_search`) or importable module path."""
+    """Build a task by built-in name (`arithmetic`, `doc_search`) or importable module path.
+
+    The params are checked against `make_task`'s signature first (`check_params`), so a wrong type
+    or an unknown name is a `TaskParamsError` naming the param, never a TypeError from inside the task.
+    """
     module_name = f"tasks.{name}" if "." not in name else name
     try:
         module = importlib.import_module(module_name)
@@ -115,7 +129,60 @@ def load_task(name: str, params: dict[str, Any] | None = None) -> Task:
         raise ValueError(f"unknown task {name!r}: no module {module_name!r} ({e})") from e
     if not hasattr(module, "make_task"):
         raise ValueError(f"task module {module_name!r} has no make_task(**params) function")
-    return module.make_task(**(params or {}))
+    return module.make_task(**check_params(module.make_task, params or {}))
+
+
+def check_params(make_task: Callable[..., Task], params: dict[str, Any]) -> dict[str, Any]:
+    """`params` validated against `make_task`'s parameters and their type hints (pydantic, strict:
+    a YAML `2` fits `int`, `"2"` and `true` do not; an int fits `float`; a string fits a `Path`).
+    Returns the validated values; raises TaskParamsError listing every problem."""
+    from pydantic import TypeAdapter, ValidationError
+
+    sig = inspect.signature(make_task)
+    try:
+        hints = typing.get_type_hints(make_task)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation: check names, not types
+        hints = {}
+    named = {n: p for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    problems, out = [], {}
+    for key, value in params.items():
+        if key not in named:
+            if not takes_any:
+                problems.append(f"task.params.{key}: unknown parameter (make_task takes {', '.join(named) or 'none'})")
+            out[key] = value
+            continue
+        try:
+            adapter = TypeAdapter(hints[key])
+        except Exception:  # noqa: BLE001 - no hint, or one pydantic cannot check (a Callable): passed as it is
+            out[key] = value
+            continue
+        hint = hints[key]
+        try:
+            out[key] = adapter.validate_python(value, strict=True)
+        except ValidationError:
+            try:  # a path from YAML is a string: the one lax conversion allowed
+                if not (isinstance(value, str) and _mentions_path(hint)):
+                    raise
+                out[key] = adapter.validate_python(value)
+            except ValidationError:
+                problems.append(f"task.params.{key}: expected {_type_name(hint)}, got {value!r}")
+    for key, p in named.items():
+        if p.default is p.empty and key not in params:
+            problems.append(f"task.params.{key}: required (make_task has no default for it)")
+    if problems:
+        raise TaskParamsError(problems)
+    return out
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def _mentions_path(hint: Any) -> bool:
+    if isinstance(hint, type):
+        return issubclass(hint, PurePath)
+    return any(_mentions_path(a) for a in typing.get_args(hint))
 
 
 def write_chat_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:

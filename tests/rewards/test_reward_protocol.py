@@ -249,7 +249,7 @@ def test_version_changes_with_source_and_params_only(tmp_path: Path) -> None:
     helped = reward_version(RewardSpec(fn=f"{path}:with_helper"))
     path.write_text(VERSIONED.replace("return 1\n", "return 2  # edited helper\n"))
     assert version() == v0  # unrelated code in the same module
-    assert reward_version(RewardSpec(fn=f"{path}:with_helper")) != helped  # ...unless declared in uses=
+    assert reward_version(RewardSpec(fn=f"{path}:with_helper")) != helped  # ...but an edit to a helper the reward calls does
 
     path.write_text(VERSIONED.replace("return 1.0", "return 0.0"))
     assert version() != v0  # the body

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,8 +24,15 @@ def explode(**_: Any) -> str:
     raise ValueError("boom")
 
 
+# The hanging tool blocks until the test releases it, after the episodes have ended: if the loop waited
+# for it instead of abandoning it at the timeout, `run_episodes` could not return before the release.
+HANG_STARTED, HANG_RELEASE, HANG_FINISHED = threading.Event(), threading.Event(), threading.Event()
+
+
 def hang(**_: Any) -> str:
-    time.sleep(5)
+    HANG_STARTED.set()
+    HANG_RELEASE.wait(120)  # bounds a broken loop's wait, so a failure is a failed assert and not a hang
+    HANG_FINISHED.set()
     return "too late"
 
 
@@ -104,16 +112,28 @@ def specs(*questions: str) -> list[EpisodeSpec]:
 
 
 @pytest.fixture(scope="module")
-def episodes(tokenizer: Any) -> tuple[list, ScriptedBackend, float]:
+def episodes(tokenizer: Any) -> Iterator[tuple[list, ScriptedBackend, dict[str, bool]]]:
     backend = ScriptedBackend(tokenizer)
-    t0 = time.monotonic()
     eps = run_episodes(backend, tokenizer, TASK, specs("q-tools", "q-direct", "q-loop"), SamplingConfig(), 4096, 0.5)
-    return eps, backend, time.monotonic() - t0
+    hung = {
+        "started": HANG_STARTED.is_set(),
+        "finished": HANG_FINISHED.is_set(),
+        "thread_alive": any(t.name == "tool-hang" and t.is_alive() for t in threading.enumerate()),
+    }
+    yield eps, backend, hung
+    HANG_RELEASE.set()  # let the abandoned thread end
+
+
+def test_a_hung_tool_is_abandoned_at_its_timeout(episodes: tuple) -> None:
+    (ep, _, _), _, hung = episodes
+    # The episodes ended while the tool was still running: the loop gave up on it, it did not wait.
+    assert hung == {"started": True, "finished": False, "thread_alive": True}
+    assert [m.content for m in ep.messages if m.role == "tool"][4] == "error: tool 'hang' timed out after 0.5 s"
+    assert ep.messages[-1].content == "The answer is apple."  # ...and the episode went on after it
 
 
 def test_every_tool_failure_becomes_a_message(episodes: tuple) -> None:
-    (ep, _, _), _, seconds = episodes
-    assert seconds < 3.0  # the hanging tool cost ~0.5 s, not 5 s
+    (ep, _, _), _, _ = episodes
     tools = [m for m in ep.messages if m.role == "tool"]
     assert [m.content for m in tools][0] == "apple"
     assert tools[1].content.startswith("error: malformed tool call")
