@@ -129,13 +129,33 @@ def _running_stage_child(client: MlflowClient, parent: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
+# A reward that holds its stage while a gate file exists (and says so): the test kills the driver
+# while a stage is certainly RUNNING, not at whatever moment a poll happens to land.
+GATED_REWARD = textwrap.dedent("""
+    import time
+    from pathlib import Path
+    from rewards.base import reward
+
+    @reward(low=0.0, high=0.0, unversioned=("gate", "held"))
+    def gated(rollout, gate: str, held: str) -> float:
+        while Path(gate).exists():
+            Path(held).touch()
+            time.sleep(0.1)
+        return 0.0
+""")
+
+
 @pytest.mark.slow
 def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_parent(tmp_path, tiny_model_dir):
     """`rlops run` SIGKILLed alone while a stage runs (after the first GRPO checkpoint): its Prefect
     server goes with it; rerunning the command marks that stage's MLflow run KILLED (and a `killed`
     stage run in the catalog), continues the same parent run, and completes with all the rows."""
     ws_dir, steps = tmp_path / "ws", 2
+    gate, held = tmp_path / "gate", tmp_path / "held"
+    (tmp_path / "gated.py").write_text(GATED_REWARD)
     cfg = tiny_config(tiny_model_dir, name="crash", steps=steps)
+    cfg["score"]["rewards"].append({"name": "gated", "fn": f"{tmp_path / 'gated.py'}:gated", "weight": 0.0,
+                                    "params": {"gate": str(gate), "held": str(held)}})
     cfg_path = tmp_path / "crash.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "flows.cli", "run", str(cfg_path), "--workspace", str(ws_dir)]
@@ -148,17 +168,13 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
     server = watchdog = None
     try:
         server, watchdog = _server_and_watchdog(driver)
-
-        def parent_and_running_child() -> tuple[str, str] | None:
-            if not (snapshot.exists() and "grpo" in pq.read_table(snapshot)["kind"].to_pylist()):
-                return None
-            parent = pq.read_table(runs_snapshot).to_pylist()[0]["mlflow_run_id"]
-            child = _running_stage_child(client, parent)
-            return (parent, child) if child else None
-
-        parent, killed_child = _wait_for(parent_and_running_child, driver, "a stage running after the first GRPO step",
-                                         timeout=900, every=0.2)
-        os.kill(driver.pid, signal.SIGKILL)  # the driver only
+        _wait_for(lambda: snapshot.exists() and "grpo" in pq.read_table(snapshot)["kind"].to_pylist(), driver,
+                  "the first GRPO checkpoint", timeout=900, every=0.2)
+        gate.touch()  # the next stage that scores holds
+        _wait_for(held.exists, driver, "a stage held by the gated reward", timeout=900, every=0.2)
+        parent = pq.read_table(runs_snapshot).to_pylist()[0]["mlflow_run_id"]
+        held_stages = {r.info.run_id: r.data.tags["rlops.artifact_id"] for r in _children(client, parent, "RUNNING")}
+        os.kill(driver.pid, signal.SIGKILL)  # the driver only, as the OOM killer does
         driver.wait()
         assert _reap_leftovers([server, watchdog]) == []
     finally:
@@ -166,7 +182,9 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait()
         _reap_leftovers([p for p in (server, watchdog) if p is not None])
-    assert client.get_run(killed_child).info.status == "RUNNING"  # what the kill left behind
+    assert held_stages  # the kill left RUNNING stage runs (the held stage, and the stage calling it if nested)
+    assert {client.get_run(r).info.status for r in held_stages} == {"RUNNING"}
+    gate.unlink()
 
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -175,11 +193,12 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
     run = ws.catalog.get_run("crash")
     assert run["mlflow_run_id"] == parent and run["status"] == "complete"  # the same parent, continued
     assert client.get_run(parent).info.status == "FINISHED"
-    child = client.get_run(killed_child)
-    assert child.info.status == "KILLED" and "resumed" in child.data.tags[INTERRUPTED_TAG]
-    assert child.data.tags["mlflow.parentRunId"] == parent
+    for run_id in held_stages:
+        child = client.get_run(run_id)
+        assert child.info.status == "KILLED" and "resumed" in child.data.tags[INTERRUPTED_TAG]
+        assert child.data.tags["mlflow.parentRunId"] == parent
     killed = ws.query("SELECT * FROM stage_runs WHERE status = 'killed'").to_pylist()
-    assert [(k["mlflow_run_id"], k["artifact_id"]) for k in killed] == [(killed_child, child.data.tags["rlops.artifact_id"])]
+    assert {k["mlflow_run_id"]: k["artifact_id"] for k in killed} == held_stages
     # every stage run of the resumed driver hangs under the same parent; none is left RUNNING
     assert _running_stage_child(client, parent) is None
     assert {r.data.tags["rlops.stage"] for r in _children(client, parent, "FINISHED")} >= {"rollout", "grpo", "evaluate"}
