@@ -39,10 +39,10 @@ def parent_run(ws: Workspace, run_name: str, *, title: str, tags: dict[str, str]
     """The MLflow parent run id for `run_name`: the unfinished one, resumed (see the module
     docstring), or a new run named `title` with `tags` and `params`. Marks this process as its driver."""
     existing = ws.catalog.get_run(run_name)
-    if existing and existing["status"] != "complete" and existing["mlflow_run_id"]:
-        parent = existing["mlflow_run_id"]
-        tracker = ws.tracker
-        holder = tracker.client.get_run(parent).data.tags.get(DRIVER_TAG)
+    previous = _run(ws, existing["mlflow_run_id"]) if existing and existing["status"] != "complete" else None
+    if previous is not None:
+        parent = previous.info.run_id
+        holder = previous.data.tags.get(DRIVER_TAG)
         # This process holding it means an earlier call here ended (flows run one at a time).
         if holder and holder != this_driver() and _alive(holder):
             host, pid, _ = holder.rsplit(":", 2)
@@ -72,6 +72,19 @@ def close_interrupted(ws: Workspace, run_name: str, parent: str, holder: str | N
             "finished_at": now(), "mlflow_run_id": run_id, "run_name": run_name})
         closed.append(run_id)
     return closed
+
+
+def _run(ws: Workspace, run_id: str | None) -> Any:
+    """The MLflow run `run_id`, or None when there is none (e.g. the tracking database was replaced:
+    the run then gets a new parent rather than failing on a dangling id)."""
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return None
+    try:
+        return ws.tracker.client.get_run(run_id)
+    except MlflowException:
+        return None
 
 
 def this_driver() -> str:

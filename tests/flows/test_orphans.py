@@ -228,3 +228,16 @@ def test_resume_refuses_while_the_driver_holding_the_run_is_alive(tmp_path):
     assert parent_run(ws, "busy", title="pipeline:busy", tags={}) == parent
     assert ws.tracker.client.get_run(child).info.status == "KILLED"
     assert ws.tracker.client.get_run(parent).data.tags[DRIVER_TAG] == this_driver()
+
+
+def test_resume_in_the_driver_that_holds_the_run_and_after_a_lost_mlflow_run(tmp_path):
+    """The process holding a run may resume it (its earlier call has ended); a run whose recorded
+    MLflow parent no longer exists (a replaced tracking database) gets a new parent instead of failing."""
+    ws = Workspace.open(tmp_path / "ws")
+    parent = parent_run(ws, "mine", title="pipeline:mine", tags={})
+    ws.catalog.upsert_run("mine", {}, parent, "running")
+    assert parent_run(ws, "mine", title="pipeline:mine", tags={}) == parent
+
+    ws.catalog.upsert_run("lost", {}, "0" * 32, "running")
+    fresh = parent_run(ws, "lost", title="pipeline:lost", tags={"rlops.run_name": "lost"})
+    assert fresh != "0" * 32 and ws.tracker.client.get_run(fresh).data.tags["rlops.run_name"] == "lost"
