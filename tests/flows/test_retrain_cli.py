@@ -54,7 +54,7 @@ def test_cli_retrain_replays_a_run_on_the_edited_reward(tmp_path, trained_run):
     out = _retrain(cfg_path, ws.root, "--run", "r", "--from", result.base)
     assert out.returncode == 0, out.stderr[-3000:]
 
-    lineage = [c for c in ws.catalog.checkpoints("r-retrain")]
+    lineage = ws.catalog.checkpoints("r-retrain")
     assert [c["step"] for c in lineage] == [1, 2] and out.stdout.strip().splitlines()[-1] == lineage[-1]["policy_id"]
     assert lineage[0]["parent_id"] == result.base and lineage[1]["parent_id"] == lineage[0]["policy_id"]
     assert {c["trained_on"]["reward"] for c in lineage} == {f"total@{total}"}
