@@ -138,12 +138,25 @@ def cmd_rescore(args: argparse.Namespace) -> int:
 @_guard
 def cmd_retrain(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    _check_replay_inputs(_workspace_path(args), args.from_policy, args.run)
     _prefect_env(_workspace_path(args))
     from flows.prefect_flows import retrain_flow, run_here
 
     lineage = run_here(retrain_flow, cfg.model_dump(mode="json"), args.from_policy, args.run, str(_workspace_path(args)), args.branch)
     _emit(args, {"lineage": lineage}, lineage[-1])
     return 0
+
+
+def _check_replay_inputs(ws_path: Path, from_policy: str, run_name: str) -> None:
+    """Fail before any Prefect server start or MLflow run when the policy or the run is unknown."""
+    from flows.pipeline import run_batches
+    from stages.common import StageContext
+    from storage.workspace import Workspace
+
+    ws = Workspace.open(ws_path)
+    if ws.catalog.get_checkpoint(from_policy) is None:
+        raise KeyError(f"unknown policy {from_policy!r}: not in the catalog of {ws_path} (see `rlops ls checkpoints`)")
+    run_batches(StageContext(ws), run_name)  # KeyError naming the run when it has no training batches
 
 
 @command("schedule")

@@ -27,6 +27,7 @@ from prefect.cache_policies import NONE
 from prefect.context import get_run_context
 
 from flows import pipeline
+from flows.resume import parent_run
 from flows.run_config import RunConfig, from_dict
 from stages.common import ArtifactRef, StageContext
 from storage.schema import now
@@ -79,7 +80,11 @@ def _yield_cpu_to_training() -> None:
     if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         from prefect.server.api.server import SubprocessASGIServer
 
-        SubprocessASGIServer().start()  # what the first API call would do; idempotent
+        from flows.server_watchdog import watch
+
+        server = SubprocessASGIServer()
+        watch(server)  # the server exits with this process even when it is SIGKILLed alone
+        server.start()  # what the first API call would do; idempotent
     # With an API URL, only a server this process already runs (e.g. a test harness) can be ours;
     # importing the server module just to find none would cost ~1 s.
     server_module = sys.modules.get("prefect.server.api.server")
@@ -102,13 +107,10 @@ def prefect_call(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs
 
 
 def _context(ws: Workspace, cfg: RunConfig) -> StageContext:
-    """Continue the run's MLflow parent run if it is unfinished, else start one; record the run."""
-    existing = ws.catalog.get_run(cfg.name)
-    if existing and existing["status"] != "complete" and existing["mlflow_run_id"]:
-        parent = existing["mlflow_run_id"]
-    else:
-        parent = ws.tracker.start_run(f"pipeline:{cfg.name}", tags={"rlops.run_name": cfg.name},
-                                      params=cfg.model_dump(mode="json"))
+    """Continue the run's MLflow parent run if it is unfinished (closing what a killed driver left
+    RUNNING), else start one; record the run."""
+    parent = parent_run(ws, cfg.name, title=f"pipeline:{cfg.name}", tags={"rlops.run_name": cfg.name},
+                        params=cfg.model_dump(mode="json"))
     ws.catalog.upsert_run(cfg.name, cfg.model_dump(mode="json"), parent, "running")
     flow_run = get_run_context().flow_run
     return StageContext(ws, run_name=cfg.name, parent_run_id=parent, prefect_flow_run_id=str(flow_run.id))
@@ -213,8 +215,8 @@ def retrain_flow(config: dict[str, Any], from_policy: str, run_name: str, worksp
     cfg = from_dict(config)
     ws = Workspace.open(workspace)
     branch = branch or f"{run_name}-retrain"
-    parent = ws.tracker.start_run(f"retrain:{branch}", tags={"rlops.run_name": branch, "rlops.from_policy": from_policy,
-                                                             "rlops.replayed_run": run_name})
+    parent = parent_run(ws, branch, title=f"retrain:{branch}", tags={"rlops.run_name": branch, "rlops.from_policy": from_policy,
+                                                                     "rlops.replayed_run": run_name})
     ctx = StageContext(ws, run_name=branch, parent_run_id=parent, prefect_flow_run_id=str(get_run_context().flow_run.id))
     ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
                           parent, "running")

@@ -103,6 +103,14 @@ class Tracker:
         with self._writing():
             self.client.set_terminated(run_id, status=status)
 
+    def running_children(self, parent_run_id: str) -> list[Any]:
+        """The child runs (`mlflow.entities.Run`) of `parent_run_id` still marked RUNNING."""
+        if not parent_run_id.isalnum():  # MLflow's filter language has no parameters: only ids go in
+            raise ValueError(f"not an MLflow run id: {parent_run_id!r}")
+        return list(self.client.search_runs(
+            [self.experiment_id], max_results=1000,
+            filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}' AND attributes.status = 'RUNNING'"))
+
     @contextmanager
     def stage_run(self, stage: str, parent_run_id: str | None, artifact_id: str, tags: dict[str, str] | None = None,
                   params: dict[str, Any] | None = None) -> Iterator[str]:

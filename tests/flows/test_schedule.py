@@ -1,10 +1,9 @@
-"""`rlops schedule` against a real `prefect server` on 127.0.0.1, and without one."""
+"""`rlops schedule` against a real `prefect server` on 127.0.0.1 (the `prefect_server` fixture), and without one."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,40 +18,10 @@ from tests.flows.conftest import tiny_config
 RLOPS = [sys.executable, "-m", "flows.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(tmp_path: Path, model_dir: Path) -> Path:
     cfg = tmp_path / "nightly.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(model_dir, name="nightly")))
     return cfg
-
-
-@pytest.fixture
-def prefect_server(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "server-home"), "PREFECT_UI_ENABLED": "false",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 240
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, "prefect server did not start"
-        time.sleep(1)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=60)
 
 
 def test_schedule_serves_a_deployment_with_the_cron(prefect_server, tmp_path, tiny_model_dir):

@@ -1,0 +1,243 @@
+"""No orphans after a crash, with real processes: the temporary Prefect server exits with a driver
+that is SIGKILLed alone, and a resumed run closes the MLflow runs its killed driver left RUNNING
+and continues the same parent run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from flows.resume import DRIVER_TAG, INTERRUPTED_TAG, RunInProgress, parent_run, this_driver
+from storage.workspace import Workspace
+from tests.flows.conftest import expected_rows, tiny_config
+
+# A driver that starts the temporary server exactly as `rlops run` does (`run_here`), then runs a
+# flow that signals it is running and waits for a "go" file.
+DRIVER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from prefect import flow
+    from flows.prefect_flows import run_here
+
+    @flow
+    def wait(ready: str, go: str) -> None:
+        Path(ready).touch()
+        deadline = time.time() + 600
+        while not Path(go).exists() and time.time() < deadline:
+            time.sleep(0.2)
+
+    run_here(wait, sys.argv[1], sys.argv[2])
+""")
+
+
+def _driver_env(prefect_home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    return {**env, "PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240"}
+
+
+def _descendants(pid: int, marker: str) -> list[psutil.Process]:
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for p in procs:
+        try:
+            if marker in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        assert proc.poll() is None, f"the driver exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+    return found
+
+
+def _server_and_watchdog(driver: subprocess.Popen) -> tuple[psutil.Process, psutil.Process]:
+    server = _wait_for(lambda: _descendants(driver.pid, "prefect.server.api.server:create_app"), driver,
+                       "the temporary Prefect server started")
+    watchdog = _wait_for(lambda: _descendants(driver.pid, "flows.server_watchdog"), driver, "the watchdog started")
+    assert len(server) == 1 and len(watchdog) == 1
+    return server[0], watchdog[0]
+
+
+def _reap_leftovers(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Wait (bounded) for `procs` to exit; kill and return those still alive, so a failing test
+    leaves no processes behind either."""
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    for p in alive:
+        p.kill()
+    return alive
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["server-starting", "flow-running", "normal-exit"])
+def test_temporary_prefect_server_exits_with_its_driver(tmp_path, moment):
+    """SIGKILL to the driver pid alone (not its group) while the server starts or while a flow runs:
+    the server and its watchdog exit. A normal exit leaves neither behind either."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    driver = subprocess.Popen([sys.executable, str(script), str(ready), str(go)], env=_driver_env(tmp_path / "prefect"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = watchdog = None
+    try:
+        server, watchdog = _server_and_watchdog(driver)
+        if moment != "server-starting":
+            _wait_for(ready.exists, driver, "the flow ran")
+        if moment == "normal-exit":
+            go.touch()
+            assert driver.wait(timeout=300) == 0
+        else:
+            os.kill(driver.pid, signal.SIGKILL)  # the driver only, as the OOM killer does
+            driver.wait()
+        assert _reap_leftovers([server, watchdog]) == []
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        _reap_leftovers([p for p in (server, watchdog) if p is not None])
+
+
+def _children(client: MlflowClient, parent: str, status: str) -> list:
+    experiment = client.get_experiment_by_name("rlops").experiment_id
+    return client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{parent}' "
+                                                          f"AND attributes.status = '{status}'")
+
+
+def _running_stage_child(client: MlflowClient, parent: str) -> str | None:
+    runs = _children(client, parent, "RUNNING")
+    return runs[0].info.run_id if runs else None
+
+
+# A reward that holds its stage while a gate file exists (and says so): the test kills the driver
+# while a stage is certainly RUNNING, not at whatever moment a poll happens to land.
+GATED_REWARD = textwrap.dedent("""
+    import time
+    from pathlib import Path
+    from rewards.base import reward
+
+    @reward(low=0.0, high=0.0, unversioned=("gate", "held"))
+    def gated(rollout, gate: str, held: str) -> float:
+        while Path(gate).exists():
+            Path(held).touch()
+            time.sleep(0.1)
+        return 0.0
+""")
+
+
+@pytest.mark.slow
+def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_parent(tmp_path, tiny_model_dir):
+    """`rlops run` SIGKILLed alone while a stage runs (after the first GRPO checkpoint): its Prefect
+    server goes with it; rerunning the command marks that stage's MLflow run KILLED (and a `killed`
+    stage run in the catalog), continues the same parent run, and completes with all the rows."""
+    ws_dir, steps = tmp_path / "ws", 2
+    gate, held = tmp_path / "gate", tmp_path / "held"
+    (tmp_path / "gated.py").write_text(GATED_REWARD)
+    cfg = tiny_config(tiny_model_dir, name="crash", steps=steps)
+    cfg["score"]["rewards"].append({"name": "gated", "fn": f"{tmp_path / 'gated.py'}:gated", "weight": 0.0,
+                                    "params": {"gate": str(gate), "held": str(held)}})
+    cfg_path = tmp_path / "crash.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(cfg_path), "--workspace", str(ws_dir)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the driver holds the catalog
+    runs_snapshot = ws_dir / "catalog" / "runs.parquet"
+    client = MlflowClient(tracking_uri=f"sqlite:///{ws_dir / 'mlflow.db'}")
+
+    driver = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = watchdog = None
+    try:
+        server, watchdog = _server_and_watchdog(driver)
+        _wait_for(lambda: snapshot.exists() and "grpo" in pq.read_table(snapshot)["kind"].to_pylist(), driver,
+                  "the first GRPO checkpoint", timeout=900, every=0.2)
+        gate.touch()  # the next stage that scores holds
+        _wait_for(held.exists, driver, "a stage held by the gated reward", timeout=900, every=0.2)
+        parent = pq.read_table(runs_snapshot).to_pylist()[0]["mlflow_run_id"]
+        held_stages = {r.info.run_id: r.data.tags["rlops.artifact_id"] for r in _children(client, parent, "RUNNING")}
+        os.kill(driver.pid, signal.SIGKILL)  # the driver only, as the OOM killer does
+        driver.wait()
+        assert _reap_leftovers([server, watchdog]) == []
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        _reap_leftovers([p for p in (server, watchdog) if p is not None])
+    assert held_stages  # the kill left RUNNING stage runs (the held stage, and the stage calling it if nested)
+    assert {client.get_run(r).info.status for r in held_stages} == {"RUNNING"}
+    gate.unlink()
+
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    ws = Workspace.open(ws_dir)
+    run = ws.catalog.get_run("crash")
+    assert run["mlflow_run_id"] == parent and run["status"] == "complete"  # the same parent, continued
+    assert client.get_run(parent).info.status == "FINISHED"
+    for run_id in held_stages:
+        child = client.get_run(run_id)
+        assert child.info.status == "KILLED" and "resumed" in child.data.tags[INTERRUPTED_TAG]
+        assert child.data.tags["mlflow.parentRunId"] == parent
+    killed = ws.query("SELECT * FROM stage_runs WHERE status = 'killed'").to_pylist()
+    assert {k["mlflow_run_id"]: k["artifact_id"] for k in killed} == held_stages
+    # every stage run of the resumed driver hangs under the same parent; none is left RUNNING
+    assert _running_stage_child(client, parent) is None
+    assert {r.data.tags["rlops.stage"] for r in _children(client, parent, "FINISHED")} >= {"rollout", "grpo", "evaluate"}
+    counts = {"rollouts": ws.query("SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"],
+              "checkpoints": ws.query("SELECT count(*) AS n FROM checkpoints WHERE kind != 'base'").to_pylist()[0]["n"] + 1}
+    expected = expected_rows(cfg)
+    assert counts == {k: expected[k] for k in counts}
+
+
+def test_resume_refuses_while_the_driver_holding_the_run_is_alive(tmp_path):
+    """A second driver must not close a live driver's stage runs: resuming a run whose recorded
+    driver is a live process fails clearly and changes nothing; once that process is gone it resumes."""
+    ws = Workspace.open(tmp_path / "ws")
+    parent = parent_run(ws, "busy", title="pipeline:busy", tags={"rlops.run_name": "busy"})
+    ws.catalog.upsert_run("busy", {}, parent, "running")
+    child = ws.tracker.start_run("rollout", parent, tags={"rlops.stage": "rollout", "rlops.artifact_id": "a1"})
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        holder = psutil.Process(other.pid)
+        ws.tracker.set_tags(parent, {DRIVER_TAG: f"{this_driver().rsplit(':', 2)[0]}:{other.pid}:{holder.create_time():.2f}"})
+        with pytest.raises(RunInProgress, match=f"in progress in process {other.pid}"):
+            parent_run(ws, "busy", title="pipeline:busy", tags={})
+        assert ws.tracker.client.get_run(child).info.status == "RUNNING"
+    finally:
+        other.kill()
+        other.wait()
+    assert parent_run(ws, "busy", title="pipeline:busy", tags={}) == parent
+    assert ws.tracker.client.get_run(child).info.status == "KILLED"
+    assert ws.tracker.client.get_run(parent).data.tags[DRIVER_TAG] == this_driver()
+
+
+def test_resume_in_the_driver_that_holds_the_run_and_after_a_lost_mlflow_run(tmp_path):
+    """The process holding a run may resume it (its earlier call has ended); a run whose recorded
+    MLflow parent no longer exists (a replaced tracking database) gets a new parent instead of failing."""
+    ws = Workspace.open(tmp_path / "ws")
+    parent = parent_run(ws, "mine", title="pipeline:mine", tags={})
+    ws.catalog.upsert_run("mine", {}, parent, "running")
+    assert parent_run(ws, "mine", title="pipeline:mine", tags={}) == parent
+
+    ws.catalog.upsert_run("lost", {}, "0" * 32, "running")
+    fresh = parent_run(ws, "lost", title="pipeline:lost", tags={"rlops.run_name": "lost"})
+    assert fresh != "0" * 32 and ws.tracker.client.get_run(fresh).data.tags["rlops.run_name"] == "lost"
