@@ -95,7 +95,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
             for b in batches:
                 b.ref_logp = token_logprobs(model, b.input_ids, b.attention_mask, b.mask, temperature)
     params = [p for p in model.parameters() if p.requires_grad]
-    model.train()
+    _train_without_dropout(model)
     _set_activation_checkpointing(model, config.activation_checkpointing)
     history = []
     for _ in range(config.epochs):
@@ -126,6 +126,18 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
             metrics["kl"] = sums["kl_mean"]
         history.append(metrics)
     return history
+
+
+def _train_without_dropout(model: Any) -> None:
+    """Training mode (activation checkpointing only runs in it) with every dropout off: an adapter
+    trained by SFT keeps its `lora_dropout`, and a dropout mask in the update's forward pass would make
+    the first-pass ratio differ from 1 against behaviour log-probs sampled without it (off-policy)."""
+    import torch
+
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()
 
 
 def _release_free_memory() -> None:

@@ -121,6 +121,16 @@ def test_first_pass_is_on_policy() -> None:
 
 
 
+def test_first_pass_is_on_policy_with_an_sft_adapter_trained_with_dropout() -> None:
+    # An SFT adapter keeps its lora_dropout; behaviour log-probs come from generation (no dropout), so the
+    # update's forward passes must not drop anything either: ratio exactly 1 on the first pass.
+    model = add_lora(tiny_llama(0), TINY_LORA.model_copy(update={"dropout": 0.5}))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARN.lr)
+    prompts = torch.randint(0, VOCAB, (8, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    grpo_step(model, optimizer, prompts, LEARN, seed=0)  # B is no longer 0: dropout would now change outputs
+    history = grpo_step(model, optimizer, prompts, LEARN, seed=1)
+    assert history[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and history[0]["clip_frac"] == 0.0
+
 def test_kl_to_the_base_with_the_adapter_disabled() -> None:
     model, optimizer, prompts = tiny_setup(0)
     history = grpo_step(model, optimizer, prompts, LEARN.model_copy(update={"epochs": 2, "beta": 0.1}), seed=0)
