@@ -361,6 +361,7 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
         import torch
 
+        ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": reward})  # which reward version this run trained on
         samples, advantages, metrics = _training_data(_read_scored(ctx.ws, batches, reward), config)
         base_model, adapter_dir = resolve_policy(ctx.ws, parent_policy)
         model = _load_trainable(base_model, adapter_dir, config.lora)
