@@ -73,6 +73,7 @@ def _ranking_table(episodes: list[Episode], ref: str, columns: list[str]) -> Any
 
     # Text, never markup strings: names and ids are data, and a "[" in them must not style the table.
     table = Table(show_header=True, header_style="bold")
+    columns = [ref] + [c for c in columns if c != ref]  # the ranked version first
     for col in ["#", "episode", "step", *columns]:
         table.add_column(Text(col), overflow="fold", style="bold" if col == ref else None)
     for i, ep in enumerate(episodes, 1):
@@ -207,6 +208,7 @@ def _direction(c: Change) -> str:
 
 
 def _html_ranking_table(top: list[Episode], bottom: list[Episode], ref: str, columns: list[str]) -> str:
+    columns = [ref] + [c for c in columns if c != ref]  # the ranked version first, then every other reward
     ranked = " class='ranked'"
     head = "".join(f"<th{ranked if c == ref else ''}>{esc(c)}</th>" for c in columns)
     rows = []
@@ -215,7 +217,8 @@ def _html_ranking_table(top: list[Episode], bottom: list[Episode], ref: str, col
             cells = "".join(f"<td class='num'>{esc(_cell(ep.score(c)))}</td>" for c in columns)
             rows.append(f"<tr data-rollout-id='{esc(ep.rollout_id)}'><td>{label} {i}</td><td><a href='#ep-{esc(ep.rollout_id)}'>"
                         f"{esc(ep.rollout_id)}</a></td><td class='num'>{esc(ep.step)}</td>{cells}</tr>")
-    return f"<table class='rewards'><tr><th>rank</th><th>episode</th><th>step</th>{head}</tr>{''.join(rows)}</table>"
+    return (f"<div class='wide'><table class='rewards'><tr><th>rank</th><th>episode</th><th>step</th>{head}</tr>"
+            f"{''.join(rows)}</table></div>")
 
 
 def _html_scores(scores: list[Score]) -> str:

@@ -34,7 +34,7 @@ pre{white-space:pre-wrap;word-break:break-word;margin:.2rem 0;font:13px/1.4 ui-m
 .sampled{background:#dcfce7}.masked{color:#777}.error{color:#b91c1c}
 .side{display:grid;grid-template-columns:1fr 1fr;gap:.8rem}.up{color:#15803d}.down{color:#b91c1c}
 .charts{display:flex;flex-wrap:wrap;gap:1rem}.chart{border:1px solid #eee}
-nav a{margin-right:1rem}#filter{margin:.5rem 0;padding:.3rem;width:20rem}
+nav a{margin-right:1rem}.wide{overflow-x:auto}th.ranked{background:#dbeafe}#filter{margin:.5rem 0;padding:.3rem;width:20rem}
 """
 
 # Hides episodes whose text does not contain the filter; the page reads fine without it.
@@ -93,7 +93,9 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
         return "".join(svg)
     x0, x1 = min(x for x, _ in points), max(x for x, _ in points)
     y0, y1 = min(y for _, y in points), max(y for _, y in points)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+    x1 = x1 if x1 > x0 else x0 + 1
+    if y1 <= y0:  # a flat series: centre it in a unit range rather than draw it on the axis
+        y0, y1 = y0 - 0.5, y1 + 0.5
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * (width - left - right)

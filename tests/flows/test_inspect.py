@@ -166,8 +166,9 @@ def test_every_reward_column_and_row_is_shown(run_ws: Workspace) -> None:
     page = _soup(write_inspection_html(inspect_run(run_ws, RUN, top=1), run_ws.root / "t" / "total.html"))
     refs = {f"{name}@{v}" for name in ("correct", "short", "total", "judged") for v in _scores(run_ws, RUN, name)}
     assert len(refs) == 6  # correct, judged: one version each; short and total: two each
-    header = [th.get_text() for th in page.select("section.ranking")[0].select("table.rewards tr")[0].find_all("th")]
-    assert header[:3] == ["rank", "episode", "step"] and set(header[3:]) == refs
+    first = page.select("section.ranking")[0]
+    header = [th.get_text() for th in first.select("table.rewards tr")[0].find_all("th")]
+    assert header[:4] == ["rank", "episode", "step", first["data-reward"]] and set(header[3:]) == refs
     for article in page.select("article.episode"):
         rid = article["data-rollout-id"]
         stored = run_ws.query(f"SELECT reward_name || '@' || reward_version AS ref, value FROM rewards "
