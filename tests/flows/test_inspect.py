@@ -382,23 +382,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_ui(ws: Workspace, tool: str, ready_path: str) -> tuple[subprocess.Popen, int]:
+def _serve(argv: list[str], env: dict[str, str], port: int, ready_path: str) -> subprocess.Popen:
+    """Start a UI server (its own session, so it stops with its children) and wait until it answers."""
     import httpx
 
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", tool, "--port", str(port), "--workspace", str(ws.root)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 240
     while True:
-        assert proc.poll() is None, f"rlops ui {tool} exited with {proc.returncode}"
+        assert proc.poll() is None, f"{argv[:4]} exited with {proc.returncode}"
         try:
             if httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=2).status_code == 200:
-                return proc, port
+                return proc
         except httpx.HTTPError:
             pass
-        assert time.monotonic() < deadline, f"rlops ui {tool} did not come up"
+        assert time.monotonic() < deadline, f"{argv[:4]} did not come up"
         time.sleep(1)
+
+
+def _serve_ui(ws: Workspace, tool: str, ready_path: str) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    argv = [sys.executable, "-m", "flows.cli", "ui", tool, "--port", str(port), "--workspace", str(ws.root)]
+    return _serve(argv, env, port, ready_path), port
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -410,6 +415,12 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _prefect_page(url: str) -> tuple[str, str]:
+    """(the page's text, the text of its toasts) as Chromium rendered them."""
+    dom = BeautifulSoup(_dump_dom(url, budget_ms=20000), "html.parser")
+    return dom.get_text(" "), " ".join(t.get_text(" ") for t in dom.select(".p-toast-container")).strip()
+
+
 @needs_chromium
 def test_prefect_ui_shows_the_run(run_ws: Workspace) -> None:
     import httpx
@@ -419,13 +430,24 @@ def test_prefect_ui_shows_the_run(run_ws: Workspace) -> None:
     proc, port = _serve_ui(run_ws, "prefect", "/api/health")
     try:
         name = httpx.get(f"http://127.0.0.1:{port}/api/flow_runs/{flow_run}").json()["name"]
-        dom = _dump_dom(f"http://127.0.0.1:{port}/runs/flow-run/{flow_run}", budget_ms=20000)
+        text, toasts = _prefect_page(f"http://127.0.0.1:{port}/runs/flow-run/{flow_run}")
     finally:
         _stop(proc)
-    text = BeautifulSoup(dom, "html.parser").get_text(" ")
-    assert name in text and "rlops-train" in text
-    assert "Can't connect" not in text and "error" not in " ".join(
-        t.get_text(" ").lower() for t in BeautifulSoup(dom, "html.parser").select("[class*=toast]"))
+    assert name in text and "rlops-train" in text and "Completed" in text
+    assert toasts == ""
+
+    # The control: the same server without PREFECT_UI_API_URL (the README's old advice on another
+    # port) shows the error toast and not the run, so the checks above can tell the two apart.
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_UI_API_URL")}
+    env.update(PREFECT_HOME=str(run_ws.root / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    proc = _serve([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                  env, port, "/api/health")
+    try:
+        text, toasts = _prefect_page(f"http://127.0.0.1:{port}/runs/flow-run/{flow_run}")
+    finally:
+        _stop(proc)
+    assert name not in text and "Can't connect to Server API" in toasts
 
 
 @needs_chromium
@@ -434,12 +456,16 @@ def test_mlflow_ui_shows_the_run(run_ws: Workspace) -> None:
     experiment = run_ws.tracker.experiment_id
     proc, port = _serve_ui(run_ws, "mlflow", "/health")
     try:
-        dom = _dump_dom(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{parent}", budget_ms=20000)
+        dom = BeautifulSoup(_dump_dom(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{parent}", budget_ms=20000),
+                            "html.parser")
+        missing = BeautifulSoup(_dump_dom(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{'0' * 32}",
+                                          budget_ms=20000), "html.parser")
     finally:
         _stop(proc)
-    text = BeautifulSoup(dom, "html.parser").get_text(" ")
-    assert f"pipeline:{RUN}" in text
-    assert "rlops.final_model_id" in text or "heldout" in text or "train/" in text
+    text = dom.get_text(" ")
+    # the run page: its name, its tags and its curves' metric names
+    assert f"pipeline:{RUN}" in text and "rlops.final_model_id" in text and "heldout/accuracy" in text
+    assert f"pipeline:{RUN}" not in missing.get_text(" ")  # the control: an unknown run shows no such page
 
 
 def test_ui_print_gives_the_one_line_to_run(run_ws: Workspace) -> None:
