@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,7 +178,7 @@ def inspect_run(ws: Workspace, run: str, reward: str | None = None, step: int | 
         if reward is None:
             raise KeyError(f"run {run!r} has no stored config naming its reward: pass --reward NAME")
     name, version = parse_ref(reward)
-    with _views(ws) as con:
+    with read_views(ws) as con:
         versions = _versions(con, batches, name)
         if not versions:
             raise KeyError(f"no {name!r} rewards on run {run!r}'s batches; rewards there: {_names(con, batches)}")
@@ -213,7 +216,7 @@ def diff_versions(ws: Workspace, run: str, a: str, b: str, step: int | None = No
         if version is None:
             raise ValueError(f"--diff takes two NAME@VERSION references, got {ref!r} (versions: `rlops rewards ls`)")
     batches = run_batches(ws, run, step)
-    with _views(ws) as con:
+    with read_views(ws) as con:
         for name, version in refs:
             versions = _versions(con, batches, name)
             if version not in versions:
@@ -240,19 +243,16 @@ def diff_versions(ws: Workspace, run: str, a: str, b: str, step: int | None = No
 # -- reading -------------------------------------------------------------------------------
 
 
-class _views:
-    """The workspace's read-only SQL views, closed on exit."""
+@contextmanager
+def read_views(ws: Workspace) -> Iterator[duckdb.DuckDBPyConnection]:
+    """The workspace's SQL views (as `rlops sql` sees them) on a connection that takes parameters."""
+    from storage.sql import open_views
 
-    def __init__(self, ws: Workspace):
-        from storage.sql import open_views
-
-        self.con = open_views(ws.settings).con
-
-    def __enter__(self) -> duckdb.DuckDBPyConnection:
-        return self.con
-
-    def __exit__(self, *exc: object) -> None:
-        self.con.close()
+    con = open_views(ws.settings).con
+    try:
+        yield con
+    finally:
+        con.close()
 
 
 def _versions(con: duckdb.DuckDBPyConnection, batches: dict[str, int | None], name: str) -> list[str]:
@@ -293,8 +293,6 @@ def _episodes(ws: Workspace, con: duckdb.DuckDBPyConnection, ids: list[str],
 
 
 def _json(text: str | None) -> dict[str, Any] | None:
-    import json
-
     value = json.loads(text) if text else None
     return value if isinstance(value, dict) else ({"value": value} if value is not None else None)
 

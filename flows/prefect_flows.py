@@ -221,6 +221,11 @@ def retrain_flow(config: dict[str, Any], from_policy: str, run_name: str, worksp
     ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
                           parent, "running")
     lineage = pipeline.retrain(cfg, ctx, from_policy, run_name, prefect_call)
+    from flows.mlflow_log import log_models, log_step
+
+    for policy in lineage:  # the branch's curves and its final adapter, as for a pipeline run
+        log_step(ws, parent, {"policy": policy}, warm_started=False)
+    log_models(ws, parent, branch, lineage[-1:], final=lineage[-1])
     ws.tracker.end_run(parent)
     ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
                           parent, "complete", finished_at=now())

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flows.inspect import _views, inspect_run, run_batches, train_reward
+from flows.inspect import inspect_run, read_views, run_batches, train_reward
 from flows.inspect_render import inspect_page_path, write_inspection_html
 from flows.pages import esc, fmt, line_chart, write_page
 from storage.workspace import Workspace
@@ -82,7 +82,7 @@ def _lineage(ws: Workspace, run: str) -> tuple[list[dict[str, Any]], list[tuple[
 
 def _evals(ws: Workspace, run: str) -> dict[str, dict[str, float]]:
     """policy id -> held-out metric -> value (the latest evaluation) for the policies this run evaluated."""
-    with _views(ws) as con:
+    with read_views(ws) as con:
         rows = con.execute(
             "SELECT policy_id, metric, arg_max(value, created_at) FROM evals WHERE eval_batch_id IN "
             "(SELECT artifact_id FROM stage_runs WHERE stage = 'evaluate' AND run_name = ?) GROUP BY ALL", [run]).fetchall()

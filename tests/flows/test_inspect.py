@@ -316,6 +316,16 @@ def test_mlflow_curves_tags_and_models(run_ws: Workspace) -> None:
     assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "optimizer.pt" not in files
     assert (local / "adapter_model.safetensors").read_bytes() == (Path(final["adapter_uri"]) / "adapter_model.safetensors").read_bytes()
 
+    # the retrain branch (`rlops retrain`) has its own parent run, curves and final model
+    branch = run_ws.catalog.get_run(f"{RUN}-retrain")
+    replayed = run_ws.catalog.checkpoints(f"{RUN}-retrain")
+    history = sorted(client.get_metric_history(branch["mlflow_run_id"], "train/reward_mean"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [
+        (c["step"], pytest.approx(run_ws.catalog.get_artifact(c["policy_id"])["meta"]["metrics"]["reward_mean"]))
+        for c in replayed]
+    tags = client.get_run(branch["mlflow_run_id"]).data.tags
+    assert client.get_logged_model(tags["rlops.final_model_id"]).tags["rlops.policy_id"] == replayed[-1]["policy_id"]
+
 
 # -- the run page and the report -------------------------------------------------------------
 
