@@ -153,10 +153,11 @@ def run_batches(ws: Workspace, run: str, step: int | None = None) -> dict[str, i
     from flows.pipeline import run_batches as pipeline_batches  # the one home of "a run's training batches"
     from stages.common import StageContext
 
-    row = ws.catalog.get_run(run)
-    source = ((row or {}).get("config") or {}).get("retrain_of") or run
-    trained = {b: c["step"] for c in ws.catalog.checkpoints(run) if c["kind"] == "grpo"
-               for b in (c["trained_on"] or {}).get("batches", [])}
+    with read_views(ws) as con:
+        source = run_config(con, run).get("retrain_of") or run
+        trained = {b: k for k, on in con.execute(
+            "SELECT step, trained_on FROM checkpoints WHERE run_name = ? AND kind = 'grpo'", [run]).fetchall()
+            for b in json.loads(on or "{}").get("batches", [])}
     out = {b: trained.get(b) for b in pipeline_batches(StageContext(ws, run_name=source), source)}
     if step is not None:
         known = sorted(s for s in out.values() if s is not None)
@@ -172,13 +173,11 @@ def inspect_run(ws: Workspace, run: str, reward: str | None = None, step: int | 
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
     batches = run_batches(ws, run, step)
-    if reward is None:
-        row = ws.catalog.get_run(run)
-        reward = train_reward((row or {}).get("config") or {})
+    with read_views(ws) as con:
+        reward = reward or train_reward(run_config(con, run))
         if reward is None:
             raise KeyError(f"run {run!r} has no stored config naming its reward: pass --reward NAME")
-    name, version = parse_ref(reward)
-    with read_views(ws) as con:
+        name, version = parse_ref(reward)
         versions = _versions(con, batches, name)
         if not versions:
             raise KeyError(f"no {name!r} rewards on run {run!r}'s batches; rewards there: {_names(con, batches)}")
@@ -199,7 +198,7 @@ def inspect_run(ws: Workspace, run: str, reward: str | None = None, step: int | 
             worst = [r for (r,) in con.execute(order.format("ASC", "DESC"),
                                                [name, v, list(batches), min(top, scored - len(best))]).fetchall()]
             picked.append((f"{name}@{v}", scored, errors, mean, best, worst))
-        episodes = _episodes(ws, con, [r for p in picked for r in p[4] + p[5]], batches)
+        episodes = _episodes(con, [r for p in picked for r in p[4] + p[5]], batches)
     view.rankings = [Ranking(ref, scored, errors, mean, [episodes[r] for r in best], [episodes[r] for r in worst])
                      for ref, scored, errors, mean, best, worst in picked]
     return view
@@ -234,7 +233,7 @@ def diff_versions(ws: Workspace, run: str, a: str, b: str, step: int | None = No
             f"SELECT * FROM ({pairs}) WHERE before IS DISTINCT FROM after "
             "ORDER BY (before IS NULL OR after IS NULL) DESC, abs(after - before) DESC, rollout_id LIMIT ?",
             params + [top]).fetchall()
-        episodes = _episodes(ws, con, [r for r, _, _ in rows], batches)
+        episodes = _episodes(con, [r for r, _, _ in rows], batches)
         columns = _columns(con, batches)
     return Diff(run, a, b, step, compared, changed, columns,
                 [Change(episodes[r], before, after) for r, before, after in rows])
@@ -243,9 +242,17 @@ def diff_versions(ws: Workspace, run: str, a: str, b: str, step: int | None = No
 # -- reading -------------------------------------------------------------------------------
 
 
+def run_config(con: duckdb.DuckDBPyConnection, run: str) -> dict[str, Any]:
+    """The stored config of `run` ({} when the run has no `runs` row)."""
+    rows = con.execute("SELECT config FROM runs WHERE run_name = ?", [run]).fetchall()
+    return json.loads(rows[0][0]) if rows and rows[0][0] else {}
+
+
 @contextmanager
 def read_views(ws: Workspace) -> Iterator[duckdb.DuckDBPyConnection]:
-    """The workspace's SQL views (as `rlops sql` sees them) on a connection that takes parameters."""
+    """The workspace's SQL views (as `rlops sql` sees them) on a connection that takes parameters.
+    Catalog tables come from their Parquet snapshots, so inspecting never opens catalog.duckdb,
+    which a running pipeline holds for writing."""
     from storage.sql import open_views
 
     con = open_views(ws.settings).con
@@ -274,7 +281,7 @@ def _columns(con: duckdb.DuckDBPyConnection, batches: dict[str, int | None]) -> 
         "GROUP BY reward_name, reward_version ORDER BY reward_name, min(scored_at)", [list(batches)]).fetchall()]
 
 
-def _episodes(ws: Workspace, con: duckdb.DuckDBPyConnection, ids: list[str],
+def _episodes(con: duckdb.DuckDBPyConnection, ids: list[str],
               batches: dict[str, int | None]) -> dict[str, Episode]:
     """rollout id -> Episode, with its decoded token runs and all its reward rows."""
     ids = list(dict.fromkeys(ids))
@@ -287,8 +294,12 @@ def _episodes(ws: Workspace, con: duckdb.DuckDBPyConnection, ids: list[str],
             "SELECT rollout_id, reward_name, reward_version, value, details, error FROM rewards "
             f"WHERE list_contains(?, rollout_id) {_LATEST} ORDER BY reward_name, scored_at", [ids]).fetchall():
         scores.setdefault(rid, []).append(Score(name, version, value, _json(details), error))
-    tokenizers = _Tokenizers(ws)
-    return {r.rollout_id: Episode(r, batches.get(r.batch_id), token_segments(tokenizers.get(r.policy_id), r),
+    base_of = dict(con.execute("SELECT policy_id, base_model FROM checkpoints WHERE list_contains(?, policy_id)",
+                               [list({r.policy_id for r in rollouts})]).fetchall())
+    unknown = sorted({r.policy_id for r in rollouts} - set(base_of))
+    if unknown:
+        raise KeyError(f"policies {unknown} are not in the catalog: no tokenizer to decode their episodes with")
+    return {r.rollout_id: Episode(r, batches.get(r.batch_id), token_segments(_tokenizer(base_of[r.policy_id]), r),
                                   scores.get(r.rollout_id, [])) for r in rollouts}
 
 
@@ -308,24 +319,9 @@ def token_segments(tokenizer: Any, rollout: Rollout) -> list[Segment]:
     return out
 
 
-class _Tokenizers:
-    """The tokenizer of each policy's base model (each loaded once per process, see `_tokenizer`)."""
-
-    def __init__(self, ws: Workspace):
-        self.ws = ws
-        self.base_of: dict[str, str] = {}
-
-    def get(self, policy_id: str) -> Any:
-        from stages.common import resolve_policy
-
-        if policy_id not in self.base_of:
-            self.base_of[policy_id] = resolve_policy(self.ws, policy_id)[0]
-        return _tokenizer(self.base_of[policy_id])
-
-
 @functools.lru_cache(maxsize=4)
 def _tokenizer(base_model: str) -> Any:
-    # The run page inspects every step: one tokenizer load per base model, not per page.
+    # The tokenizer of a policy's base model. The run page inspects every step: one load per base model.
     from transformers import AutoTokenizer
 
     from stages.model import resolve_model
