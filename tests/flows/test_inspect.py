@@ -372,13 +372,15 @@ def _dump_dom(url: str, budget_ms: int = 5000) -> str:
 
 @needs_chromium
 def test_pages_run_in_chromium(run_ws: Workspace) -> None:
-    from flows.inspect import inspect_run
-    from flows.inspect_render import write_inspection_html
+    from flows.inspect import diff_versions, inspect_run
+    from flows.inspect_render import write_diff_html, write_inspection_html
     from flows.runpage import write_run_page
 
     run_page = write_run_page(run_ws, RUN)
     tools = write_inspection_html(inspect_run(run_ws, "tools", "judged", top=3), run_ws.root / "t" / "tools-browser.html")
-    for path in (run_page, tools, run_page.parent / "inspect" / "total.html"):
+    a, b = (r.reward for r in inspect_run(run_ws, RUN, "short", top=1).rankings)
+    diff = write_diff_html(diff_versions(run_ws, RUN, a, b), run_ws.root / "t" / "diff-browser.html")
+    for path in (run_page, tools, diff, run_page.parent / "inspect" / "total.html"):
         dom = BeautifulSoup(_dump_dom(path.as_uri()), "html.parser")
         assert dom.html.get("data-ready") == "1" and dom.html.get("data-js-error") is None, path
     dom = BeautifulSoup(_dump_dom(tools.as_uri()), "html.parser")
