@@ -34,11 +34,14 @@ def write_run_page(ws: Workspace, run: str, out_dir: Path | None = None, top: in
     out_dir = out_dir or ws.root / "reports" / run
     config = row["config"] or {}
     reward = train_reward(config)
-    batches = run_batches(ws, run)
+    try:
+        batches = run_batches(ws, run)
+    except KeyError:  # a run without GRPO steps (steps: 0) has no training episodes to inspect
+        batches = {}
     steps = sorted({s for s in batches.values() if s is not None})
 
     links = []
-    if reward is not None:
+    if reward is not None and batches:
         overall = write_inspection_html(inspect_run(ws, run, reward, top=top), inspect_page_path(out_dir, reward, None))
         links.append((f"all steps: the {top} best and worst episodes per version of {reward}", overall))
         for step in steps:
@@ -47,8 +50,8 @@ def write_run_page(ws: Workspace, run: str, out_dir: Path | None = None, top: in
             links.append((f"step {step}", page))
     diffs = sorted((out_dir / "inspect").glob("diff-*.html"))
 
-    chain, branches = _lineage(ws, run)
     evals = _evals(ws, run)
+    chain, branches = _lineage(ws, run, evals)
     body = [f"<h1>Run {esc(run)}</h1>",
             f"<p class='meta'>status {esc(row['status'])} · started {esc(row['started_at'])} · finished "
             f"{esc(row['finished_at'])} · train reward {esc(reward)} · task {esc((config.get('task') or {}).get('name'))} · "
@@ -65,7 +68,8 @@ def write_run_page(ws: Workspace, run: str, out_dir: Path | None = None, top: in
     return write_page(out_dir / "run.html", f"rlops run {run}", "".join(body))
 
 
-def _lineage(ws: Workspace, run: str) -> tuple[list[dict[str, Any]], list[tuple[str, list[dict[str, Any]]]]]:
+def _lineage(ws: Workspace, run: str, evals: dict[str, dict[str, float]]
+             ) -> tuple[list[dict[str, Any]], list[tuple[str, list[dict[str, Any]]]]]:
     """(the run's checkpoints from the base model on, [(retrain branch name, its checkpoints)])."""
     own = ws.catalog.checkpoints(run)
     chain = []
@@ -75,6 +79,8 @@ def _lineage(ws: Workspace, run: str) -> tuple[list[dict[str, Any]], list[tuple[
             ckpt = ws.catalog.get_checkpoint(pid)
             chain.insert(0, ckpt)
             pid = ckpt["parent_id"]
+    else:  # nothing trained (steps: 0, no SFT): the policies it evaluated, i.e. the base model
+        chain = [c for p in evals if (c := ws.catalog.get_checkpoint(p)) is not None]
     branches = [(r["run_name"], ws.catalog.checkpoints(r["run_name"])) for r in ws.catalog.runs()
                 if (r["config"] or {}).get("retrain_of") == run]
     return chain + own, branches

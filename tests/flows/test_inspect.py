@@ -356,6 +356,22 @@ def test_report_links_the_run_page_which_shows_curves_evals_lineage_and_episodes
     assert all((index.parent / h).exists() for h in hrefs)
 
 
+def test_run_page_of_a_run_without_grpo_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from flows import pipeline
+    from flows.run_config import from_dict
+    from flows.runpage import write_run_page
+    from stages.common import StageContext
+
+    cfg = tiny_config(tiny_model_dir, name="zero", steps=0)
+    cfg.update(sft=None, eval={"n_prompts": 1, "every": 1, "metric": "correct"})
+    ws = Workspace.open(tmp_path / "ws")
+    ws.catalog.upsert_run("zero", cfg, None, "complete")
+    result = pipeline.train(from_dict(cfg), StageContext(ws, run_name="zero"))
+    page = _soup(write_run_page(ws, "zero"))
+    assert [tr["data-policy-id"] for tr in page.select("table.heldout tr[data-policy-id]")] == [result.base]
+    assert not page.select("ul.inspect-links li")  # nothing trained, so no training episodes to link
+
+
 # -- in a real browser -----------------------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
