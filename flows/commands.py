@@ -1,4 +1,4 @@
-"""The pipeline commands of `rlops` (run, stage, rescore, retrain, schedule, report, eval, rewards).
+"""The pipeline commands of `rlops` (run, stage, rescore, retrain, schedule, report, inspect, ui, eval, rewards).
 
 Each validates its config before importing anything heavy or computing anything; a bad config
 prints one message listing every problem and exits 2.
@@ -91,8 +91,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"\nrun {cfg.name}: held-out {cfg.eval.split} split of {cfg.task.name}")
         print_rows(cols, rows)
         print(f"\nnext: rlops sql \"SELECT * FROM evals WHERE policy_id = '{summary['final']}'\" --workspace {ws_path}")
-        print(f"      rlops report {cfg.name} --workspace {ws_path}")
-        print(f"      mlflow ui --backend-store-uri sqlite:///{ws_path / 'mlflow.db'}")
+        print(f"      rlops inspect {cfg.name} --workspace {ws_path}     # best and worst episodes per reward version")
+        print(f"      rlops report {cfg.name} --workspace {ws_path}      # PNGs, the run page and inspect pages")
+        print(f"      rlops ui mlflow --workspace {ws_path}   (or: rlops ui prefect)")
     _emit(args, summary, summary["final"])
     return 0
 
@@ -179,6 +180,47 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("inspect")
+@_guard
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from flows.inspection import diff_versions, inspect_run
+    from flows.inspect_render import (diff_page_path, inspect_page_path, print_diff, print_inspection,
+                                      write_diff_html, write_inspection_html)
+    from storage.workspace import Workspace
+
+    ws = Workspace.open(args.workspace)
+    out_dir = ws.root / "reports" / args.run  # next to the run page, which links these pages
+    run_page = None if args.out else "../run.html"
+    if args.diff:
+        diff = diff_versions(ws, args.run, args.diff[0], args.diff[1], step=args.step, top=args.top)
+        if args.format == "text":
+            print_diff(diff, tokens=args.tokens)
+            return 0
+        path = write_diff_html(diff, Path(args.out) if args.out else diff_page_path(out_dir, *args.diff), run_page)
+    else:
+        view = inspect_run(ws, args.run, reward=args.reward, step=args.step, top=args.top)
+        if args.format == "text":
+            print_inspection(view, tokens=args.tokens)
+            return 0
+        target = Path(args.out) if args.out else inspect_page_path(out_dir, args.reward or view.reward, args.step)
+        path = write_inspection_html(view, target, run_page)
+    _emit(args, {"page": str(path)}, str(path))
+    return 0
+
+
+@command("ui")
+@_guard
+def cmd_ui(args: argparse.Namespace) -> int:
+    from flows.ui import serve, ui_command
+    from storage.settings import Settings
+
+    cmd = ui_command(args.tool, Settings.from_env(args.workspace), host=args.host, port=args.port)
+    if args.print:
+        print(cmd.shell())
+        return 0
+    return serve(cmd)
+
+
 @command("eval")
 @_guard
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -254,6 +296,24 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p = sub.add_parser("report", parents=[common], help="PNG curves + HTML summary of a run, logged to MLflow")
     p.add_argument("run", help="run name")
     p.add_argument("--out", help="output folder (default: WORKSPACE/reports/RUN)")
+
+    p = sub.add_parser("inspect", parents=[common], help="a run's best and worst episodes per reward version, or a version diff")
+    p.add_argument("run", help="run name")
+    p.add_argument("--reward", metavar="NAME[@VERSION]", help="reward to rank by (default: the run's train reward; "
+                   "every scored version unless one is given)")
+    p.add_argument("--step", type=int, help="only the training batch of this GRPO step")
+    p.add_argument("--top", type=int, default=5, help="episodes from each end (with --diff: how many changes)")
+    p.add_argument("--diff", nargs=2, metavar=("REWARD@A", "REWARD@B"), help="the episodes whose score changed most from A to B")
+    p.add_argument("--format", choices=["text", "html"], default="text",
+                   help="text: the terminal; html: a static page under WORKSPACE/reports/RUN/inspect/ (path printed)")
+    p.add_argument("--tokens", action="store_true", help="text: also print each token stream, sampled runs highlighted")
+    p.add_argument("--out", help="html: write the page here instead")
+
+    p = sub.add_parser("ui", parents=[common], help="open the Prefect or MLflow UI on this workspace's runs")
+    p.add_argument("tool", choices=["prefect", "mlflow"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, help="default: 4200 (prefect), 5000 (mlflow)")
+    p.add_argument("--print", action="store_true", help="print the command line (with its environment) instead of running it")
 
     p = sub.add_parser("eval", parents=[common], help="compare evaluations")
     p.add_argument("action", choices=["compare"])

@@ -117,7 +117,11 @@ def _context(ws: Workspace, cfg: RunConfig) -> StageContext:
 
 
 def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult) -> dict[str, Any]:
+    from flows.mlflow_log import log_models
+
     final = result.evals.get(result.final, {})
+    log_models(ws, ctx.parent_run_id, cfg.name, [result.final] if cfg.mlflow_models == "final"
+               else [p for p in [result.sft, *result.policies] if p], final=result.final)
     ws.tracker.log_metrics(ctx.parent_run_id, {f"final.{k}": v for k, v in final.items()})
     ws.tracker.set_tags(ctx.parent_run_id, {"rlops.final_policy": result.final})
     ws.tracker.end_run(ctx.parent_run_id)
@@ -156,10 +160,13 @@ class _Background:
         self.pool.shutdown()
 
 
-def _on_step(cfg: RunConfig, background: _Background) -> Callable[[dict[str, Any]], None]:
+def _on_step(cfg: RunConfig, background: _Background, ctx: StageContext) -> Callable[[dict[str, Any]], None]:
+    from flows.mlflow_log import log_step
+
     logger = get_run_logger()
 
     def report(row: dict[str, Any]) -> None:
+        log_step(ctx.ws, ctx.parent_run_id, row, warm_started=cfg.sft is not None)  # curves on the MLflow parent run
         logger.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         title = f"step {row['step']}" if "step" in row else f"evaluation of {row['eval']}"
         table = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in row.items())
@@ -183,7 +190,7 @@ def train_flow(config: dict[str, Any], workspace: str | None = None, continue_li
             start_policy, start_step = latest[-1]["policy_id"], int(latest[-1]["step"])
     background = _Background()
     try:
-        result = pipeline.train(cfg, ctx, prefect_call, start_policy, start_step, on_step=_on_step(cfg, background))
+        result = pipeline.train(cfg, ctx, prefect_call, start_policy, start_step, on_step=_on_step(cfg, background, ctx))
     finally:
         background.wait()
     return _finish(ws, ctx, cfg, result)
@@ -221,6 +228,11 @@ def retrain_flow(config: dict[str, Any], from_policy: str, run_name: str, worksp
     ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
                           parent, "running")
     lineage = pipeline.retrain(cfg, ctx, from_policy, run_name, prefect_call)
+    from flows.mlflow_log import log_models, log_step
+
+    for policy in lineage:  # the branch's curves and its final adapter, as for a pipeline run
+        log_step(ws, parent, {"policy": policy}, warm_started=False)
+    log_models(ws, parent, branch, lineage[-1:], final=lineage[-1])
     ws.tracker.end_run(parent)
     ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
                           parent, "complete", finished_at=now())

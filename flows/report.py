@@ -3,7 +3,9 @@
   reward_by_step.png       mean training reward per GRPO step (the run's train reward)
   evals_by_checkpoint.png  every eval metric per evaluated checkpoint, in lineage order
   reward_distributions.png histogram of each reward version scored on the run's rollouts
-  index.html               the three figures, the eval table and the lineage
+  index.html               the three figures, the eval table and the lineage, linking:
+  run.html                 the run page (flows/runpage.py): curves, held-out table, lineage, and
+  inspect/*.html           the inspected episodes (flows/inspection.py) overall and per step
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from stages.score import ScoreConfig
+from flows.inspection import train_reward
+from flows.runpage import write_run_page
+from storage.atomic import write_text_atomic
 from storage.workspace import Workspace
 
 
@@ -25,8 +29,7 @@ def write_report(ws: Workspace, run_name: str, out: Path | None = None) -> Path:
     run = ws.catalog.get_run(run_name)
     if run is None:
         raise KeyError(f"no run named {run_name!r} in this workspace (see `rlops ls runs`)")
-    config = run["config"] or {}
-    reward = ScoreConfig.model_validate(config["score"]).default_reward(config.get("train_reward"))
+    reward = train_reward(run["config"] or {})
     out = out or ws.root / "reports" / run_name
     out.mkdir(parents=True, exist_ok=True)
 
@@ -83,16 +86,21 @@ def write_report(ws: Workspace, run_name: str, out: Path | None = None) -> Path:
     lineage = "".join(f"<li>{html.escape(c['policy_id'])} ({c['kind']}, step {c['step']}) from "
                       f"{html.escape(str(c['parent_id']))}, trained on {html.escape(str(c['trained_on']))}</li>"
                       for c in ws.catalog.checkpoints(run_name))
+    run_page = write_run_page(ws, run_name, out)
+    pages = [(run_page.name, "run page: curves, held-out table, lineage")] + [
+        (p.relative_to(out).as_posix(), f"inspected episodes: {p.stem}") for p in sorted((out / "inspect").glob("*.html"))]
+    links = "".join(f"<li><a href='{html.escape(href)}'>{html.escape(text)}</a></li>" for href, text in pages)
     index = out / "index.html"
-    index.write_text(
+    write_text_atomic(index, 
         f"<!doctype html><html><head><meta charset='utf-8'><title>rlops report: {html.escape(run_name)}</title></head>"
         f"<body><h1>rlops report: {html.escape(run_name)}</h1><p>status: {run['status']}, MLflow run "
         f"{run['mlflow_run_id']}, train reward {html.escape(str(reward))}</p>"
         f"<img src='reward_by_step.png'><img src='evals_by_checkpoint.png'><img src='reward_distributions.png'>"
         f"<h2>Held-out evaluations</h2><table border='1'><tr><th>policy</th>"
         + "".join(f"<th>{html.escape(m)}</th>" for m in metrics) + f"</tr>{rows}</table>"
-        f"<h2>Lineage</h2><ul>{lineage}</ul></body></html>")
+        f"<h2>Lineage</h2><ul>{lineage}</ul><h2>Pages</h2><ul class='pages'>{links}</ul></body></html>")
     if run["mlflow_run_id"]:
-        for f in ("reward_by_step.png", "evals_by_checkpoint.png", "reward_distributions.png", "index.html"):
+        for f in ("reward_by_step.png", "evals_by_checkpoint.png", "reward_distributions.png", "index.html", "run.html"):
             ws.tracker.log_artifact(run["mlflow_run_id"], out / f, "report")
+        ws.tracker.log_artifact(run["mlflow_run_id"], out / "inspect", "report/inspect")
     return index

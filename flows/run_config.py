@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +48,9 @@ class RunConfig(BaseModel):
     train_reward: str | None = None  # reward name GRPO optimises; None = score.total
     grpo: GRPOConfig = GRPOConfig()
     eval: EvalSection = EvalSection()
+    # Checkpoints logged to MLflow as models (adapter files + lineage tags): the final one, or every
+    # one (SFT and each GRPO step; ~1 adapter's size per step in mlartifacts/).
+    mlflow_models: Literal["final", "all"] = "final"
 
     @property
     def reward_name(self) -> str:

@@ -69,6 +69,7 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
     reward = reward.resolve(ctx.ws, batches)
 
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
+        ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": str(reward)})  # which reward version this run trained on
         data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline)
         base_model, adapter_dir = resolve_policy(ctx.ws, parent_policy)
         model, optimizer = load_for_update(base_model, adapter_dir, config)

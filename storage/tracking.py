@@ -80,13 +80,18 @@ class Tracker:
         with self._writing():
             self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
 
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
-        """Log finite numeric metrics (NaN/inf are skipped rather than poisoning charts)."""
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None,
+                    timestamp_ms: int | None = None) -> None:
+        """Log finite numeric metrics (NaN/inf are skipped rather than poisoning charts).
+
+        A fixed `timestamp_ms` (e.g. when the logged thing was made) makes logging idempotent: MLflow
+        keeps one row per (key, timestamp, step, value), so a resumed run re-logging a step adds nothing.
+        """
         import time
 
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
+        ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         batch = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and math.isfinite(float(v))]
         if batch:
