@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
 from stages.model import resolve_model
 from storage.ids import config_hash
+from storage.schema import segment_bounds
 from storage.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -286,7 +287,7 @@ def _read_scored(ws: Workspace, batches: list[str], reward: str) -> list[dict[st
             WHERE reward_name = {_sql_str(name)} AND reward_version = {_sql_str(version)} AND batch_id IN ({in_batches})
             QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY scored_at DESC) = 1)
         SELECT ro.rollout_id, ro.batch_id, ro.group_id, ro.token_ids, ro.loss_mask, ro.behavior_logprobs,
-               ro.sampling, r.value
+               ro.segment_starts, ro.sampling, r.value
         FROM rollouts ro LEFT JOIN r USING (rollout_id)
         WHERE ro.batch_id IN ({in_batches})
         ORDER BY ro.batch_id, ro.group_id, ro.sample_idx""").to_pylist()
@@ -309,16 +310,24 @@ def _training_data(rows: list[dict[str, Any]], config: GRPOConfig) -> tuple[list
     groups = [(r["batch_id"], r["group_id"]) for r in scored]
     keep = ~zero_variance_groups(rewards, groups)  # (N,) bool; their advantages are 0 anyway
     advantages = group_advantages(rewards, groups, config.scale, config.baseline)[keep]  # (n,)
-    samples = [Sample(r["token_ids"], r["loss_mask"], r["behavior_logprobs"])
-               for r, k in zip(scored, keep.tolist()) if k]
+    # Each segment of a rollout (storage.schema.Rollout.segments) is its own sequence, trained with
+    # the rollout's advantage; a segment with no sampled token (an agent's error row) trains nothing.
+    samples, owner = [], []
+    for j, r in enumerate(r for r, k in zip(scored, keep.tolist()) if k):
+        for a, b in segment_bounds(r.get("segment_starts"), len(r["token_ids"])):
+            if any(r["loss_mask"][a:b]):
+                samples.append(Sample(r["token_ids"][a:b], r["loss_mask"][a:b], r["behavior_logprobs"][a:b]))
+                owner.append(j)
     n_groups, n_zero = len(set(groups)), len({g for g, k in zip(groups, keep.tolist()) if not k})
-    return samples, advantages, {
+    metrics = {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
         "advantage_mean": float(advantages.mean()) if samples else 0.0,
         "advantage_std": float(advantages.std(unbiased=False)) if samples else 0.0,
         "groups": float(n_groups), "zero_variance_groups": float(n_zero), "frac_zero_variance_groups": n_zero / n_groups,
-        "dropped_null_rewards": float(len(rows) - len(scored)), "trained_rollouts": float(len(samples)),
+        "dropped_null_rewards": float(len(rows) - len(scored)), "trained_rollouts": float(len(set(owner))),
+        "trained_segments": float(len(samples)),
     }
+    return samples, advantages[torch.tensor(owner, dtype=torch.long)], metrics
 
 
 def _clear_stale_tmp(final: Path) -> None:
