@@ -28,6 +28,10 @@ from stages.serve_api import ChatMessage
 from storage.schema import Message, Rollout, to_table
 from tasks.base import Prompt
 
+# The longest a queued request waits for the other running episodes' requests: tools are usually
+# milliseconds, a CPU generate call seconds.
+BATCH_WINDOW_S = 1.0
+
 if TYPE_CHECKING:
     from stages.rollout import RolloutWorker
     from tasks.agent import AgentSpec
@@ -41,15 +45,19 @@ def run_agent_shard(worker: RolloutWorker, batch_id: str, split: str, groups: li
     forced = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
                             max_new_tokens=config.max_new_tokens, stop=tuple(config.stop))
     resolve, names = fixed_resolver(worker.policy_id, worker.adapter_dir)
-    service = PolicyService(worker.policy, resolve, ServiceConfig(default_max_tokens=config.max_new_tokens, forced=forced,
-                                                                   max_total_tokens=config.max_total_tokens, seed=base_seed),
-                            names)
     episodes = [(f"{batch_id}-g{gi:05d}-s{s:03d}", prompt) for gi, prompt in groups for s in range(G)]
+    running = _Running(len(episodes))
+    # The batcher generates once every running episode has its next request queued (like the built-in
+    # loop's lockstep turns); the window only bounds how long a slow agent or tool holds the others.
+    service = PolicyService(worker.policy, resolve, ServiceConfig(default_max_tokens=config.max_new_tokens, forced=forced,
+                                                                   max_total_tokens=config.max_total_tokens, seed=base_seed,
+                                                                   batch_window_s=BATCH_WINDOW_S),
+                            names, in_flight=lambda: running.count)
     try:
         with ServerThread(build_app(service)) as url:
             # A thread of its own: asyncio.run refuses to nest in a caller's running event loop.
             with ThreadPoolExecutor(1) as pool:
-                outcomes = pool.submit(asyncio.run, _run_all(url, worker.policy_id, agent, episodes)).result()
+                outcomes = pool.submit(asyncio.run, _run_all(url, worker.policy_id, agent, episodes, running)).result()
     finally:
         service.close()
 
@@ -74,9 +82,22 @@ def run_agent_shard(worker: RolloutWorker, batch_id: str, split: str, groups: li
     return to_table(rows)
 
 
-async def _run_all(url: str, model: str, agent: AgentSpec,
-                   episodes: list[tuple[str, Prompt]]) -> list[tuple[Any, str | None, float]]:
-    return await asyncio.gather(*(_one(url, model, agent, eid, p) for eid, p in episodes))
+class _Running:
+    """How many episodes of the shard are still running (read by the batcher thread)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+async def _run_all(url: str, model: str, agent: AgentSpec, episodes: list[tuple[str, Prompt]],
+                   running: _Running) -> list[tuple[Any, str | None, float]]:
+    async def counted(eid: str, p: Prompt) -> tuple[Any, str | None, float]:
+        try:
+            return await _one(url, model, agent, eid, p)
+        finally:
+            running.count -= 1  # on the event loop thread only; the batcher just reads it
+
+    return await asyncio.gather(*(counted(eid, p) for eid, p in episodes))
 
 
 async def _one(url: str, model: str, agent: AgentSpec, episode_id: str, prompt: Prompt) -> tuple[Any, str | None, float]:

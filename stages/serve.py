@@ -33,14 +33,14 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
 
 from stages.agent import ChatFormat
-from stages.generate import Sample, SamplingConfig
+from stages.generate import Sample, SamplingConfig, decode_turn
 from stages.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.resident import ResidentPolicy
 from stages.serve_api import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,
@@ -92,8 +92,12 @@ class PolicyService:
     """The model, the recorder and the batcher behind the HTTP app."""
 
     def __init__(self, policy: ResidentPolicy, resolve: Resolver, config: ServiceConfig = ServiceConfig(),
-                 names: Callable[[], list[str]] = lambda: []) -> None:
+                 names: Callable[[], list[str]] = lambda: [], in_flight: Callable[[], int] | None = None) -> None:
+        """`in_flight`, when the caller knows it (the rollout stage), is the number of episodes
+        still running: a batch is generated as soon as each of them has a request queued, instead
+        of waiting out the window, and a slow straggler delays the others by the window at most."""
         self.policy, self.resolve, self.config, self.names = policy, resolve, config, names
+        self.in_flight = in_flight
         self.chat = ChatFormat(policy.tokenizer)
         self.recorder = Recorder()
         self.generate_calls = 0  # generate calls made (batching is visible in tests and benchmarks)
@@ -145,7 +149,7 @@ class PolicyService:
                 return
             jobs = [first]
             deadline = time.monotonic() + self.config.batch_window_s
-            while (left := deadline - time.monotonic()) > 0:
+            while (left := deadline - time.monotonic()) > 0 and not (self.in_flight and len(jobs) >= self.in_flight()):
                 try:
                     job = self._queue.get(timeout=left)
                 except queue.Empty:
@@ -154,10 +158,13 @@ class PolicyService:
                     self._queue.put(None)  # stop after this batch
                     break
                 jobs.append(job)
+            # Requests differing only in max_tokens share a call (generating to the largest, each
+            # cut to its own): near the end of a context or episode budget they all differ.
             groups: dict[tuple, list[_Job]] = {}
             for job in jobs:
                 alone = id(job) if job.seed is not None else None
-                groups.setdefault((job.policy_id, job.adapter_dir, job.sampling, alone), []).append(job)
+                shared = replace(job.sampling, max_new_tokens=0)
+                groups.setdefault((job.policy_id, job.adapter_dir, shared, alone), []).append(job)
             for group in groups.values():
                 self._run(group)
 
@@ -169,17 +176,26 @@ class PolicyService:
             for start in range(0, len(prompts), self.config.max_batch):
                 chunk = prompts[start : start + self.config.max_batch]
                 seed = jobs[0].seed if jobs[0].seed is not None else self._seeds.randrange(2**31)
+                sampling = replace(jobs[0].sampling, max_new_tokens=max(j.sampling.max_new_tokens for j, _ in chunk))
                 samples = self.policy.generate(jobs[0].policy_id, jobs[0].adapter_dir, [p for _, p in chunk],
-                                               jobs[0].sampling, seed)
+                                               sampling, seed)
                 self.generate_calls += 1
                 for (job, _), sample in zip(chunk, samples):
-                    out[id(job)].append(sample)
+                    out[id(job)].append(self._cut(sample, job.sampling.max_new_tokens))
         except Exception as e:  # noqa: BLE001 - reported to each waiting request as a 500, the loop goes on
             for job in jobs:
                 job.future.set_exception(e)
             return
         for job in jobs:
             job.future.set_result(out[id(job)])
+
+    def _cut(self, sample: Sample, max_new_tokens: int) -> Sample:
+        """A sample cut to its own request's max_tokens (a batch generates to the largest)."""
+        if len(sample.token_ids) <= max_new_tokens:
+            return sample
+        ids = sample.token_ids[:max_new_tokens]
+        return Sample(ids, sample.logprobs[:max_new_tokens], decode_turn(self.policy.tokenizer, ids, self.policy.eos_ids),
+                      "length")
 
     # -- endpoints -------------------------------------------------------------------------
 

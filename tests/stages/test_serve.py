@@ -171,8 +171,8 @@ def test_32_concurrent_requests_share_generate_calls(service):
 
     async def episode(i: int):
         return await client.chat.completions.create(
-            model="base", messages=[{"role": "user", "content": f"Question {i}?"}], max_tokens=4, temperature=1.0,
-            extra_headers={"X-Episode-Id": f"many-{i}"})
+            model="base", messages=[{"role": "user", "content": f"Question {i}?"}], max_tokens=2 + i % 4,
+            temperature=1.0, extra_headers={"X-Episode-Id": f"many-{i}"})
 
     async def all_of_them():
         try:
@@ -184,6 +184,9 @@ def test_32_concurrent_requests_share_generate_calls(service):
     answers = asyncio.run(all_of_them())
     assert len(answers) == 32 and all(a.choices[0].message.content is not None for a in answers)
     assert service.generate_calls - before <= 4  # not 32: the queue batches them (usually into 1 call)
+    # Different max_tokens share a call; each answer is cut to its own limit.
+    assert all(a.usage.completion_tokens <= 2 + i % 4 for i, a in enumerate(answers))
+    assert any(a.usage.completion_tokens == 5 for a in answers)
     assert all(service.recorder.peek(f"many-{i}").calls for i in range(32))
 
 
