@@ -166,6 +166,27 @@ def test_history_rewriting_agent_gives_segments_with_correct_masks(service, scri
         assert torch.allclose(fresh[on], torch.tensor(blp[a:b])[on], atol=1e-4)
 
 
+def test_stop_strings_are_cut_from_the_text_but_kept_in_the_tokens(service):
+    client = _client(service, "ep-stop")
+    script = script_messages("call_x")
+    messages = [{"role": "system", "content": SYSTEM}, *script[1:2],
+                {"role": "assistant", "content": script[2]["content"]}, script[3]]
+    r = client.chat.completions.create(model="base", messages=messages, tools=TOOLS, temperature=0, stop=["98"])
+    assert r.choices[0].message.content == "1" and r.choices[0].finish_reason == "stop"  # "1987" cut before "98"
+    (call,) = service.recorder.peek("ep-stop").calls
+    raw = call.choices[0].message.content
+    assert raw.startswith("1987"[: len(raw)]) and "98" in raw  # the model sampled through the stop string
+    assert service.policy.tokenizer.decode(call.choices[0].token_ids) == raw
+    # Sent back as the client saw it ("1"), the turn is still its sampled tokens in the next prompt.
+    again = client.chat.completions.create(
+        model="base", tools=TOOLS, max_tokens=2,
+        messages=messages + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "ok"}])
+    assert again.choices
+    second = service.recorder.peek("ep-stop").calls[1].choices[0]
+    first = call.choices[0]
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.token_ids)] == first.prompt_ids + first.token_ids
+
+
 def test_32_concurrent_requests_share_generate_calls(service):
     client = openai.AsyncOpenAI(base_url=service.url + "/v1", api_key="unused", max_retries=0)
 
