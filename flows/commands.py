@@ -261,6 +261,29 @@ def cmd_rewards(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("serve")
+@_guard
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from stages.resident import ResidentPolicy
+    from stages.serve import PolicyService, ServiceConfig, build_app, catalog_resolver, find_checkpoint
+    from storage.settings import Settings
+
+    snapshot = Settings.from_env(args.workspace).snapshot_dir / "checkpoints.parquet"
+    # The policy's base model is the one to load; requests may then name any policy of that base.
+    base_model = args.base_model if args.policy == "base" else find_checkpoint(snapshot, args.policy)["base_model"]
+    resolve, names = catalog_resolver(snapshot, base_model)
+    policy = ResidentPolicy.load(base_model, engine=args.engine)
+    service = PolicyService(policy, resolve, ServiceConfig(batch_window_s=args.batch_window), names)
+    policy_id, adapter_dir = resolve(args.policy)
+    policy.generate(policy_id, adapter_dir, [[policy.tokenizer.eos_token_id]],  # load the adapter now
+                    service.sampling(0.0, None, 1, [], 1))
+    print(f"serving {args.policy} ({policy_id}) on base {base_model} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     overrides = argparse.ArgumentParser(add_help=False, parents=[common])
     overrides.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -319,6 +342,16 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("action", choices=["compare"])
     p.add_argument("policy_a")
     p.add_argument("policy_b")
+
+    p = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible endpoint serving policies, recording tokens")
+    p.add_argument("--policy", default="base", help="policy loaded at start: a checkpoint id, `base` or RUN@latest "
+                   "(requests name any policy of the same base model in their `model` field)")
+    p.add_argument("--base-model", default="SmolLM2-135M-Instruct", help="the base model when --policy is `base`")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="hf: transformers (CPU); vllm: GPU engine")
+    p.add_argument("--batch-window", type=float, default=0.05, metavar="S",
+                   help="seconds a queued request waits for others to share its generate call")
 
     p = sub.add_parser("rewards", parents=[common], help="reward names, versions and where they were used")
     p.add_argument("action", choices=["ls"])

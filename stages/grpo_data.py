@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stages.reward_ref import RewardRef
+from storage.schema import segment_bounds
 from storage.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -34,8 +35,8 @@ class Sample:
 
 @dataclass
 class TrainingData:
-    samples: list[Sample]  # the rollouts of groups with signal
-    advantages: torch.Tensor  # (n,) one per sample
+    samples: list[Sample]  # the segments (usually one per rollout) of the rollouts of groups with signal
+    advantages: torch.Tensor  # (n,) one per sample: its rollout's advantage
     temperature: float  # the rollouts' sampling temperature
     metrics: dict[str, float]  # reward mean/std, advantage stats, group counts
 
@@ -52,7 +53,7 @@ def read_scored(ws: Workspace, batches: list[str], reward: RewardRef) -> list[di
             WHERE reward_name = $name AND reward_version = $version AND list_contains($batches, batch_id)
             QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY scored_at DESC) = 1)
         SELECT ro.rollout_id, ro.batch_id, ro.group_id, ro.token_ids, ro.loss_mask, ro.behavior_logprobs,
-               ro.sampling, r.value
+               ro.segment_starts, ro.sampling, r.value
         FROM rollouts ro LEFT JOIN r USING (rollout_id)
         WHERE list_contains($batches, ro.batch_id)
         ORDER BY ro.batch_id, ro.group_id, ro.sample_idx""",
@@ -83,16 +84,23 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str) -> Trai
     rewards = torch.tensor([r["value"] for r in scored], dtype=torch.float32)  # (N,)
     groups = [(r["batch_id"], r["group_id"]) for r in scored]
     keep = ~zero_variance_groups(rewards, groups)  # (N,) bool; their advantages are 0 anyway
-    advantages = group_advantages(rewards, groups, scale, baseline)[keep]  # (n,)
-    samples = [Sample(r["token_ids"], r["loss_mask"], r["behavior_logprobs"])
-               for r, k in zip(scored, keep.tolist()) if k]
+    advantages = group_advantages(rewards, groups, scale, baseline)[keep]  # (n,) one per rollout with signal
+    # Each segment of a rollout (storage.schema.segment_bounds) is its own sequence, trained with the
+    # rollout's advantage; a segment with no sampled token (an agent's error row) trains nothing.
+    samples, owner = [], []
+    for j, r in enumerate(r for r, k in zip(scored, keep.tolist()) if k):
+        for a, b in segment_bounds(r.get("segment_starts"), len(r["token_ids"])):
+            if any(r["loss_mask"][a:b]):
+                samples.append(Sample(r["token_ids"][a:b], r["loss_mask"][a:b], r["behavior_logprobs"][a:b]))
+                owner.append(j)
     n_groups, n_zero = len(set(groups)), len({g for g, k in zip(groups, keep.tolist()) if not k})
-    return TrainingData(samples, advantages, temperature, {
+    return TrainingData(samples, advantages[torch.tensor(owner, dtype=torch.long)], temperature, {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
         "advantage_mean": float(advantages.mean()) if samples else 0.0,
         "advantage_std": float(advantages.std(unbiased=False)) if samples else 0.0,
         "groups": float(n_groups), "zero_variance_groups": float(n_zero), "frac_zero_variance_groups": n_zero / n_groups,
-        "dropped_null_rewards": float(len(rows) - len(scored)), "trained_rollouts": float(len(samples)),
+        "dropped_null_rewards": float(len(rows) - len(scored)), "trained_rollouts": float(len(set(owner))),
+        "trained_segments": float(len(samples)),
     })
 
 

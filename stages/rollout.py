@@ -69,6 +69,13 @@ class RolloutWorker:
             torch.set_num_threads(threads)
         self.config, self.policy_id, self.task_spec = config, policy_id, task
         self.task = load_task(task.name, task.params)
+        self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
+                                       max_new_tokens=config.max_new_tokens, stop=tuple(config.stop), seed=config.seed)
+        if self.task.agent is not None:  # an external agent: its episodes go through the policy service
+            from stages.resident import ResidentPolicy
+
+            self.policy, self.adapter_dir = ResidentPolicy.load(base_model, config.backend), adapter_dir
+            return
         if config.backend == "vllm":
             from stages.generate import VLLMBackend
 
@@ -80,18 +87,24 @@ class RolloutWorker:
 
             model, self.tokenizer = load_policy(base_model, adapter_dir)
             self.backend = HFBackend(model, self.tokenizer)
-        self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
-                                       max_new_tokens=config.max_new_tokens, stop=tuple(config.stop), seed=config.seed)
+
+    def sampling_record(self) -> dict[str, Any]:
+        """What `rollouts.sampling` stores."""
+        return self.config.model_dump(include={"temperature", "top_p", "max_new_tokens", "max_total_tokens", "stop", "backend"})
 
     def run_shard(self, batch_id: str, split: str, groups: list[tuple[int, Prompt]], base_seed: int) -> pa.Table:
         """Generate every sample of the given (group index, prompt) pairs; one row per episode."""
+        if self.task.agent is not None:
+            from stages.external import run_agent_shard
+
+            return run_agent_shard(self, batch_id, split, groups, base_seed)
         from stages.agent import EpisodeSpec, run_episodes
 
         G = self.config.group_size
         specs = [EpisodeSpec(p, base_seed + gi * G + s) for gi, p in groups for s in range(G)]
         episodes = run_episodes(self.backend, self.tokenizer, self.task, specs, self.sampling,
                                 max_total_tokens=self.config.max_total_tokens, tool_timeout=self.config.tool_timeout)
-        sampling = self.config.model_dump(include={"temperature", "top_p", "max_new_tokens", "max_total_tokens", "stop", "backend"})
+        sampling = self.sampling_record()
         rows = []
         for (gi, prompt), s_eps in zip(groups, _chunks(list(zip(specs, episodes)), G)):
             group_id = f"{batch_id}-g{gi:05d}"
@@ -129,6 +142,8 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
     stage_config = {"rollout": config,
                     "task": task.model_dump(), "split": split, "step": step,
                     "prompt_ids": [p.prompt_id for p in prompts], "task_content": content_digest(task_obj, prompts)}
+    if task_obj.agent is not None:  # editing the agent's code or prompts makes new rollouts
+        stage_config["agent_version"] = task_obj.agent.version
     base_seed = config.seed * 1_000_003 + step * 10_007
 
     def body(batch_id: str, mlflow_run_id: str) -> dict[str, float]:

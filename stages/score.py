@@ -32,7 +32,7 @@ from storage.ids import artifact_id, config_hash
 from storage.parquet import DataStore
 from storage.schema import ROLLOUTS, Rollout, from_table, now, reward_table
 
-TOKEN_COLUMNS = ("token_ids", "loss_mask", "behavior_logprobs")
+TOKEN_COLUMNS = ("token_ids", "loss_mask", "behavior_logprobs", "segment_starts")
 
 
 class ScoreConfig(BaseModel):

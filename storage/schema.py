@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+# 2: rollouts gained `segment_starts` (files of version 1 lack it and read as one segment each).
+SCHEMA_VERSION = 2
 
 TOOL_CALL = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
 MESSAGE = pa.struct(
@@ -44,6 +45,9 @@ ROLLOUTS = pa.schema(
         ("num_tokens", pa.int32()),  # len(token_ids): length audits without decoding the token lists
         ("loss_mask", pa.list_(pa.int8())),  # 1 = token sampled from the policy
         ("behavior_logprobs", pa.list_(pa.float32())),  # aligned with token_ids; 0 where mask is 0
+        # Offsets in token_ids where a new segment (a separate training sequence) starts, besides 0;
+        # empty (or null, in version-1 files): the row is one sequence. See `Rollout.segments`.
+        ("segment_starts", pa.list_(pa.int32())),
         ("num_turns", pa.int32()),
         ("num_tool_calls", pa.int32()),
         ("finish_reason", pa.string()),  # answer | max_turns | max_tokens | error
@@ -153,9 +157,24 @@ class Rollout:
     created_at: datetime = field(default_factory=now)
     schema_version: int = SCHEMA_VERSION
     num_tokens: int = 0  # derived: always len(token_ids)
+    segment_starts: list[int] = field(default_factory=list)  # see `segments`; empty: one segment
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.token_ids)
+        if self.segment_starts is None:  # a version-1 file read through a view that has the column
+            self.segment_starts = []
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(start, end) of each segment of token_ids, in order.
+
+        A segment is one self-contained sequence: its tokens are what the policy saw (prompt, mask 0)
+        and sampled (mask 1), from position 0. An episode is one segment when every model call's
+        prompt extended the previous prompt and completion token for token (the built-in agent
+        loop always); an external agent that rewrites its history, or a chat template that is not
+        prefix-preserving, starts a new segment at that call. Every sampled token is in exactly one
+        segment with mask 1, and GRPO trains each segment with the episode's advantage.
+        """
+        return segment_bounds(self.segment_starts, len(self.token_ids))
 
 
 @dataclass
@@ -187,6 +206,12 @@ class EvalRow:
     eval_batch_id: str
     created_at: datetime = field(default_factory=now)
     schema_version: int = SCHEMA_VERSION
+
+
+def segment_bounds(segment_starts: list[int] | None, num_tokens: int) -> list[tuple[int, int]]:
+    """(start, end) pairs of the segments of a token list of length `num_tokens`."""
+    edges = [0, *(segment_starts or []), num_tokens]
+    return [(a, b) for a, b in zip(edges, edges[1:])]
 
 
 R = TypeVar("R", Rollout, RewardRow, EvalRow)
@@ -241,11 +266,17 @@ def to_table(records: list[R], cls: type[R] | None = None) -> pa.Table:
 
 def from_table(table: pa.Table, cls: type[R]) -> list[R]:
     """Arrow table (from Parquet or DuckDB) -> records. Extra columns are ignored."""
-    names = [f.name for f in fields(cls) if f.name in table.column_names or f.name != "num_tokens"]
+    optional = {"num_tokens", "segment_starts"}  # derived, or absent from version-1 files: defaults apply
+    missing = [f.name for f in fields(cls) if f.name not in table.column_names and f.name not in optional]
+    if missing:
+        raise KeyError(f"table lacks columns {missing} of {cls.__name__}")
+    names = [f.name for f in fields(cls) if f.name in table.column_names]
     columns = [_column(table, n) for n in names]
-    # `names` is a prefix of the fields in order (only the trailing derived num_tokens may be left
-    # out), so positional construction is exact, and ~2x faster than keywords on a million rows.
-    return [cls(*values) for values in zip(*columns)]
+    if names == [f.name for f in fields(cls)][: len(names)]:
+        # Only trailing optional fields are left out: positional construction is exact, and ~2x
+        # faster than keywords on a million rows.
+        return [cls(*values) for values in zip(*columns)]
+    return [cls(**dict(zip(names, values))) for values in zip(*columns)]
 
 
 def reward_table(rollout_ids: pa.Array | list[str], batch_id: str, reward_name: str, reward_version: str,

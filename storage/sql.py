@@ -70,12 +70,15 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
                 readable.append(p)
             except Exception as e:  # noqa: BLE001 - any reader error means this one file is unusable
                 views.skipped.append((p, f"{type(e).__name__}: {e}"))
+        # An empty table with the current schema under every view: a column that older files lack
+        # (e.g. rollouts.segment_starts before schema version 2) reads as NULL instead of missing.
+        con.register(f"_empty_{kind}", pa.Table.from_batches([], schema=schema))
+        con.execute(f"CREATE TABLE _{kind} AS SELECT * FROM _empty_{kind}")
+        con.unregister(f"_empty_{kind}")
         if readable:
-            con.execute(f"CREATE VIEW {kind} AS SELECT * FROM read_parquet({_sql_list(readable)}, union_by_name=true)")
+            con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind} UNION ALL BY NAME "
+                        f"SELECT * FROM read_parquet({_sql_list(readable)}, union_by_name=true)")
         else:
-            con.register(f"_empty_{kind}", pa.Table.from_batches([], schema=schema))
-            con.execute(f"CREATE TABLE _{kind} AS SELECT * FROM _empty_{kind}")
-            con.unregister(f"_empty_{kind}")
             con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind}")
     return views
 

@@ -22,11 +22,14 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from storage.atomic import atomic_file
 from storage.ids import canonical_json
 from storage.schema import ToolCall
+
+if TYPE_CHECKING:
+    from tasks.agent import AgentSpec
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
@@ -49,6 +52,7 @@ class Task:
     tools: dict[str, Callable[..., str]] = field(default_factory=dict)  # name -> fn(**arguments) -> text
     tool_specs: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function schemas
     max_turns: int = 1  # assistant turns per episode
+    agent: AgentSpec | None = None  # an external agent (tasks/agent.py) runs the episodes through the policy service
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         """The opening messages of an episode: system (with tool instructions) + user."""

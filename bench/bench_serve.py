@@ -1,0 +1,118 @@
+"""Served vs in-process doc_search episodes on SmolLM2-135M-Instruct (CPU), and time to first token.
+
+    .venv/bin/python bench/bench_serve.py [--prompts 4] [--group 8] [--max-new-tokens 48] [--rounds 2]
+
+The same work both ways, through the real rollout stage worker: `prompts x group` doc_search
+episodes (4 x 8 = 32 concurrent episodes) on the train split,
+  - in-process: the built-in batched agent loop (stages/agent.py) with the task's BM25 tools;
+  - served: examples/doc_search_openai/agent.py, a plain OpenAI tool-calling agent, run through the
+    policy service (uvicorn on 127.0.0.1, the real openai client, requests batched by the service).
+Throughput is sampled tokens (loss_mask == 1) per second of the shard's wall time; the runs
+alternate, `--rounds` times each, and the ratio is taken over the summed times. Time to first
+token: an idle service, one request for the opening doc_search prompt with max_tokens=1 (prefill +
+HTTP + the batch window), median of `--ttft-repeats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "doc_search_openai"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ttft-repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import pyarrow.compute as pc
+    import torch
+
+    from stages.model import DEFAULT_MODEL, resolve_model
+    from stages.rollout import RolloutConfig, RolloutWorker, TaskSpec
+    from tasks.base import load_task
+
+    torch.set_num_threads(args.threads)
+    base = resolve_model(DEFAULT_MODEL)
+    config = RolloutConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
+                           max_total_tokens=1536, groups_per_shard=args.prompts, tool_timeout=5.0)
+    tasks = {
+        "in-process": TaskSpec(name="doc_search", params={"max_turns": 4}),
+        "served": TaskSpec(name="agent", params={"entry": f"{EXAMPLE / 'agent.py'}:rollout",
+                                                 "prompts": str(EXAMPLE / "prompts.jsonl")}),
+    }
+    prompts = load_task("doc_search").prompts("train")[: args.prompts]
+    groups = list(enumerate(prompts))
+    workers = {label: RolloutWorker(config, base, None, "base", spec) for label, spec in tasks.items()}
+
+    totals = {label: [0.0, 0, 0, 0] for label in tasks}  # seconds, sampled tokens, episodes, turns
+    for r in range(args.rounds):
+        for label, worker in workers.items():
+            t0 = time.perf_counter()
+            table = worker.run_shard(f"bench-{label}-{r}", "train", groups, base_seed=1000 * r)
+            seconds = time.perf_counter() - t0
+            tokens = pc.sum(pc.list_flatten(table["loss_mask"])).as_py()
+            turns = pc.sum(table["num_turns"]).as_py()
+            errors = pc.sum(pc.cast(pc.equal(table["finish_reason"], "error"), "int64")).as_py()
+            t = totals[label]
+            t[0], t[1], t[2], t[3] = t[0] + seconds, t[1] + tokens, t[2] + table.num_rows, t[3] + turns
+            print(f"round {r} {label}: {table.num_rows} episodes ({errors} errors), {turns / table.num_rows:.2f} turns, "
+                  f"{tokens} sampled tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s", flush=True)
+    rate = {label: t[1] / t[0] for label, t in totals.items()}
+    for label, t in totals.items():
+        print(f"{label}: {t[2]} episodes, {t[3] / t[2]:.2f} turns/episode, {t[1]} tokens in {t[0]:.1f} s "
+              f"= {rate[label]:.1f} tok/s, {t[2] / t[0]:.2f} episodes/s")
+    print(f"served / in-process throughput: {rate['served'] / rate['in-process']:.3f}")
+
+    print(f"time to first token (idle, median of {args.ttft_repeats}): {ttft(workers['served'].policy, args.ttft_repeats)}")
+
+
+def ttft(policy, repeats: int) -> str:
+    import openai
+
+    from stages.serve import PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
+    from stages.generate import SamplingConfig
+    from tasks.base import render_system_prompt
+    from tasks.doc_search import SYSTEM_PROMPT, TOOL_SPECS, make_task
+
+    question = make_task().prompts("train")[0].question
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    resolve, names = fixed_resolver("base", None)
+    prompt = policy.tokenizer.apply_chat_template(
+        [{"role": "system", "content": render_system_prompt(SYSTEM_PROMPT, TOOL_SPECS)}, {"role": "user", "content": question}],
+        tokenize=False, add_generation_prompt=True)
+    ids = policy.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    times = []
+    for _ in range(repeats + 1):  # the same prefill + one token, called in-process
+        t0 = time.perf_counter()
+        policy.generate("base", None, [ids], SamplingConfig(max_new_tokens=1))
+        times.append(time.perf_counter() - t0)
+    out = [f"{statistics.median(times[1:]) * 1000:.0f} ms in-process (prefill of {len(ids)} tokens + 1 token)"]
+    for window in (0.05, 0.0):
+        service = PolicyService(policy, resolve, ServiceConfig(batch_window_s=window), names)
+        with ServerThread(build_app(service)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            times = []
+            for _ in range(repeats + 1):  # the first call warms up
+                t0 = time.perf_counter()
+                client.chat.completions.create(model="base", messages=messages, tools=TOOL_SPECS, max_tokens=1)
+                times.append(time.perf_counter() - t0)
+        service.close()
+        out.append(f"{statistics.median(times[1:]) * 1000:.0f} ms served with a {window * 1000:.0f} ms batch window")
+    return "; ".join(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Rollouts of an external agent (tasks/agent.py) through the policy service.
+
+For one shard of groups: serve the policy on 127.0.0.1 (a free port) with the run's sampling
+forced, run every episode of the shard concurrently through the user's `rollout(client, model,
+prompt)` with a real `openai.AsyncOpenAI` client whose requests carry the episode id, then turn
+each episode's recorded calls into one rollout row (stages/recorder.py: one segment when every
+prompt extended the last, several otherwise). Concurrent episodes share generate calls: the
+service batches whatever arrives together.
+
+Reproducibility: the service draws batch seeds from a stream seeded by the shard's seed, but which
+requests share a batch depends on when the agents send them, so an external agent's batch is not
+bit-for-bit repeatable the way the built-in loop's is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from stages.generate import SamplingConfig
+from stages.recorder import EpisodeLog, assemble, fingerprint
+from stages.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
+from stages.serve_api import ChatMessage
+from storage.schema import Message, Rollout, to_table
+from tasks.base import Prompt
+
+# The longest a queued request waits for the other running episodes' requests: tools are usually
+# milliseconds, a CPU generate call seconds.
+BATCH_WINDOW_S = 1.0
+
+if TYPE_CHECKING:
+    from stages.rollout import RolloutWorker
+    from tasks.agent import AgentSpec
+
+
+def run_agent_shard(worker: RolloutWorker, batch_id: str, split: str, groups: list[tuple[int, Prompt]],
+                    base_seed: int) -> pa.Table:
+    """One rollout row per episode of the shard's groups (G episodes per prompt)."""
+    config, agent = worker.config, worker.task.agent
+    G = config.group_size
+    forced = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
+                            max_new_tokens=config.max_new_tokens, stop=tuple(config.stop))
+    resolve, names = fixed_resolver(worker.policy_id, worker.adapter_dir)
+    episodes = [(f"{batch_id}-g{gi:05d}-s{s:03d}", prompt) for gi, prompt in groups for s in range(G)]
+    running = _Running(len(episodes))
+    # The batcher generates once every running episode has its next request queued (like the built-in
+    # loop's lockstep turns); the window only bounds how long a slow agent or tool holds the others.
+    service = PolicyService(worker.policy, resolve, ServiceConfig(default_max_tokens=config.max_new_tokens, forced=forced,
+                                                                   max_total_tokens=config.max_total_tokens, seed=base_seed,
+                                                                   batch_window_s=BATCH_WINDOW_S),
+                            names, in_flight=lambda: running.count)
+    try:
+        with ServerThread(build_app(service)) as url:
+            # A thread of its own: asyncio.run refuses to nest in a caller's running event loop.
+            with ThreadPoolExecutor(1) as pool:
+                outcomes = pool.submit(asyncio.run, _run_all(url, worker.policy_id, agent, episodes, running)).result()
+    finally:
+        service.close()
+
+    rows, errors = [], []
+    sampling = worker.sampling_record()
+    for (rollout_id, prompt), (result, error, seconds) in zip(episodes, outcomes):
+        gi, s = (int(x[1:]) for x in rollout_id.rsplit("-", 2)[1:])
+        log = service.recorder.pop(rollout_id) or EpisodeLog()
+        try:
+            fields = _fields(log, prompt, result, error)
+        except (TypeError, ValueError) as e:  # the agent returned something unusable: an error row too
+            fields = _fields(log, prompt, None, f"{type(e).__name__}: {e}")
+        if fields["finish_reason"] == "error":
+            errors.append(f"{rollout_id}: {fields['metadata']['error']}")
+        rows.append(Rollout(
+            rollout_id=rollout_id, batch_id=batch_id, policy_id=worker.policy_id, task=worker.task.name, split=split,
+            prompt_id=prompt.prompt_id, group_id=f"{batch_id}-g{gi:05d}", sample_idx=s, sampling=sampling,
+            seed=base_seed + gi * G + s, gen_seconds=seconds, **fields))
+    if len(errors) > agent.max_error_frac * len(rows):
+        raise RuntimeError(f"{len(errors)} of {len(rows)} agent episodes failed (max_error_frac={agent.max_error_frac}); "
+                           f"first: {errors[0]}")
+    return to_table(rows)
+
+
+class _Running:
+    """How many episodes of the shard are still running (read by the batcher thread)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+async def _run_all(url: str, model: str, agent: AgentSpec, episodes: list[tuple[str, Prompt]],
+                   running: _Running) -> list[tuple[Any, str | None, float]]:
+    async def counted(eid: str, p: Prompt) -> tuple[Any, str | None, float]:
+        try:
+            return await _one(url, model, agent, eid, p)
+        finally:
+            running.count -= 1  # on the event loop thread only; the batcher just reads it
+
+    return await asyncio.gather(*(counted(eid, p) for eid, p in episodes))
+
+
+async def _one(url: str, model: str, agent: AgentSpec, episode_id: str, prompt: Prompt) -> tuple[Any, str | None, float]:
+    """(result, error text or None, seconds) of one episode; the agent's exceptions are data."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="rlops-local", max_retries=0,
+                                default_headers={EPISODE_HEADER: episode_id}, timeout=agent.episode_timeout)
+    start = time.monotonic()
+    try:
+        result = await asyncio.wait_for(agent.fn(client, model, prompt.question), agent.episode_timeout)
+        return result, None, time.monotonic() - start
+    except asyncio.TimeoutError:
+        return None, f"TimeoutError: the episode ran over {agent.episode_timeout:g} s", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 - whatever the agent raises becomes an error row
+        return None, f"{type(e).__name__}: {e}"[:2000], time.monotonic() - start
+    finally:
+        await client.close()
+
+
+def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None) -> dict[str, Any]:
+    """The rollout fields an episode determines: tokens from the recording, messages and metadata
+    from the agent's result (see tasks/agent.py)."""
+    t = assemble(log)
+    if error is not None:
+        # No tokens: an agent's failure is not evidence about the policy's tokens; the row is scored
+        # (errors are data) and takes part in its group's baseline, but trains nothing.
+        return dict(messages=t.messages, token_ids=[], loss_mask=[], behavior_logprobs=[], segment_starts=[],
+                    num_turns=t.num_turns, num_tool_calls=_tool_messages(t.messages), finish_reason="error",
+                    truncated=False, metadata={**prompt.metadata, "error": error})
+    extra: dict[str, Any] = {}
+    messages = t.messages
+    if isinstance(result, list):
+        messages = _messages(result, log)
+    elif isinstance(result, dict):
+        messages = _messages(result["messages"], log) if "messages" in result else messages
+        extra = result.get("metadata") or {}
+        if not isinstance(extra, dict):
+            raise TypeError("the result's 'metadata' must be a dict")
+        clash = sorted(set(extra) & set(prompt.metadata))
+        if clash:
+            raise ValueError(f"the result's metadata would overwrite the prompt's ground truth fields {clash}")
+    elif result is not None:
+        raise TypeError(f"rollout returned a {type(result).__name__}; expected a dict, a list of messages or None")
+    last = next((m for m in reversed(messages) if m.role == "assistant"), None)
+    return dict(messages=messages, token_ids=t.token_ids, loss_mask=t.loss_mask, behavior_logprobs=t.behavior_logprobs,
+                segment_starts=t.segment_starts, num_turns=t.num_turns, num_tool_calls=_tool_messages(messages),
+                finish_reason="answer" if last is not None and not last.tool_calls else "max_turns",
+                truncated=t.finish_reason == "length", metadata={**prompt.metadata, **extra})
+
+
+def _messages(raw: list[Any], log: EpisodeLog) -> list[Message]:
+    """The agent's conversation as records; a generated assistant message is stored as the model
+    wrote it (its raw text, what the tokens hold), like the built-in loop stores it."""
+    out = []
+    for m in raw:
+        data = m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
+        message = ChatMessage.model_validate(data).to_message()
+        hit = log.returned.get(fingerprint(message.content, message.tool_calls)) if message.role == "assistant" else None
+        out.append(log.calls[hit[0]].choices[hit[1]].message if hit else message)
+    return out
+
+
+def _tool_messages(messages: list[Message]) -> int:
+    return sum(m.role == "tool" for m in messages)

@@ -1,0 +1,179 @@
+"""Token-exact recording of an episode served over an OpenAI-compatible API.
+
+An external agent sends whole conversations, as text, on every call. To train on what the policy
+really did, the policy service (stages/serve.py) records per call and episode id:
+
+    prompt ids    the tokens the model was given (built below)
+    sampled ids   what it sampled, EOS included, with the behaviour log-prob of each token
+
+and builds every prompt so that an assistant message it generated earlier in the episode is its
+recorded sampled tokens, never a re-tokenization of its text (which can split differently, and
+whose text the client may have changed: tool calls come back as structured `tool_calls`, a stop
+string is cut off). The template text around it is found as in the built-in loop
+(`stages.agent.ChatFormat`): render before and after, encode the difference.
+
+`assemble` turns the calls of an episode into one rollout: each call's prompt either extends the
+previous prompt + completion token for token (the new tokens are template/tool text, mask 0), or
+it does not (the agent rewrote its history, or the template is not prefix-preserving) and starts a
+new segment holding that whole prompt (mask 0). Every sampled token appears once with mask 1.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from stages.agent import ChatFormat, _difference
+from storage.schema import Message, ToolCall
+
+
+@dataclass
+class Completion:
+    """One sampled choice of one call."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]  # sampled, EOS included when the model emitted it
+    logprobs: list[float]  # aligned with token_ids
+    message: Message  # content: the raw sampled text (renders back to token_ids), tool calls parsed
+    finish_reason: str  # stop | length
+
+
+@dataclass
+class Call:
+    """One chat/completions request of an episode and its n choices."""
+
+    messages: list[Message]  # the conversation as the model saw it (generated turns as raw text)
+    choices: list[Completion]
+    chosen: int = 0  # the choice a later call continued; 0 when none did
+
+
+def fingerprint(content: str | None, tool_calls: list[ToolCall]) -> str:
+    """What identifies an assistant message the service returned, as the client sends it back."""
+    return json.dumps([content or "", [[c.id, c.name, c.arguments] for c in tool_calls]])
+
+
+@dataclass
+class EpisodeLog:
+    """Every call of one episode, in arrival order."""
+
+    calls: list[Call] = field(default_factory=list)
+    returned: dict[str, tuple[int, int]] = field(default_factory=dict)  # fingerprint -> (call, choice)
+
+    def add(self, call: Call, returned: list[Message]) -> None:
+        """Record a call; `returned[i]` is choice i's message exactly as the response carries it."""
+        self.calls.append(call)
+        for i, m in enumerate(returned):
+            self.returned[fingerprint(m.content, m.tool_calls)] = (len(self.calls) - 1, i)
+
+
+class Recorder:
+    """Episode id -> EpisodeLog, thread-safe; the oldest episodes are dropped past `max_episodes`
+    (a long-running `rlops serve` must not grow without bound; the rollout stage pops its own)."""
+
+    def __init__(self, max_episodes: int = 10_000) -> None:
+        self.max_episodes = max_episodes
+        self._episodes: OrderedDict[str, EpisodeLog] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, episode_id: str) -> EpisodeLog:
+        with self._lock:
+            log = self._episodes.get(episode_id)
+            if log is None:
+                log = self._episodes[episode_id] = EpisodeLog()
+                while len(self._episodes) > self.max_episodes:
+                    self._episodes.popitem(last=False)
+            return log
+
+    def peek(self, episode_id: str) -> EpisodeLog | None:
+        with self._lock:
+            return self._episodes.get(episode_id)
+
+    def pop(self, episode_id: str) -> EpisodeLog | None:
+        with self._lock:
+            return self._episodes.pop(episode_id, None)
+
+
+def chat_prompt(chat: ChatFormat, messages: list[Message], log: EpisodeLog | None,
+                eos_ids: set[int]) -> tuple[list[int], list[Message]]:
+    """Prompt ids for `messages` + the generation prompt, reusing the sampled tokens of every
+    assistant message this episode's log recognises; also returns the conversation as the model
+    saw it (recognised messages as their raw sampled text). Marks which choice each call continued."""
+    reused: dict[int, Completion] = {}
+    seen = list(messages)
+    for k, m in enumerate(messages):
+        hit = log.returned.get(fingerprint(m.content, m.tool_calls)) if log and m.role == "assistant" else None
+        if hit is not None:
+            call, choice = hit
+            log.calls[call].chosen = choice
+            reused[k] = log.calls[call].choices[choice]
+            seen[k] = reused[k].message
+    try:
+        return _with_recorded(chat, seen, reused, eos_ids), seen
+    except ValueError:
+        # The template renders earlier messages differently once more are appended: the prompt is
+        # its plain rendering, and `assemble` starts a new segment at this call.
+        return chat.encode(chat.render(seen, True)), seen
+
+
+def _with_recorded(chat: ChatFormat, messages: list[Message], reused: dict[int, Completion],
+                   eos_ids: set[int]) -> list[int]:
+    ids: list[int] = []
+    done = ""  # the rendered text the ids cover so far
+    for k in sorted(reused):
+        turn = reused[k]
+        before = chat.render(messages[:k], True)  # ... up to this turn's generation prompt
+        ids += chat.encode(_difference(done, before))
+        ids += turn.token_ids
+        after = chat.render(messages[: k + 1], False)
+        end = _difference(before + (turn.message.content or ""), after)
+        if turn.token_ids and turn.token_ids[-1] in eos_ids:
+            # The sampled EOS already is the start of the end-of-turn text (as in stages.agent._add_turn).
+            eos_text = chat.tokenizer.decode(turn.token_ids[-1:], skip_special_tokens=False)
+            end = end[len(eos_text):] if end.startswith(eos_text) else end
+        ids += chat.encode(end) if end else []
+        done = after
+    rest = _difference(done, chat.render(messages, True))
+    return ids + (chat.encode(rest) if rest else [])
+
+
+@dataclass
+class Trajectory:
+    """An episode's calls as one rollout's token fields (see `storage.schema.Rollout.segments`)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    segment_starts: list[int]
+    messages: list[Message]  # the last call's conversation + its chosen completion
+    num_turns: int
+    finish_reason: str  # of the last completion: stop | length
+
+
+def assemble(log: EpisodeLog) -> Trajectory:
+    """One rollout from an episode's calls, each contributing its chosen completion."""
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    starts: list[int] = []
+    segment = 0  # where the current segment starts in ids
+    for call in log.calls:
+        turn = call.choices[call.chosen]
+        current = ids[segment:]
+        if current and turn.prompt_ids[: len(current)] == current:
+            new = turn.prompt_ids[len(current):]
+        else:
+            if ids:
+                starts.append(len(ids))
+                segment = len(ids)
+            new = turn.prompt_ids
+        ids += new + turn.token_ids
+        mask += [0] * len(new) + [1] * len(turn.token_ids)
+        logprobs += [0.0] * len(new) + turn.logprobs
+    last = log.calls[-1] if log.calls else None
+    return Trajectory(
+        token_ids=ids, loss_mask=mask, behavior_logprobs=logprobs, segment_starts=starts,
+        messages=(last.messages + [last.choices[last.chosen].message]) if last else [],
+        num_turns=len(log.calls), finish_reason=last.choices[last.chosen].finish_reason if last else "",
+    )

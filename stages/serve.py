@@ -1,0 +1,399 @@
+"""The policy service: an OpenAI-compatible HTTP endpoint over a resident policy, recording tokens.
+
+    service = PolicyService(ResidentPolicy.load(base), catalog_resolver(settings, base))
+    with ServerThread(build_app(service)) as url:      # uvicorn on 127.0.0.1, a free port
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+
+Endpoints: `POST /v1/chat/completions` (messages, tools, n, temperature, top_p, max_tokens, stop,
+seed, logprobs), `POST /v1/completions`, `GET /v1/models`, and `GET /rlops/episodes/{id}` (an
+episode's recorded tokens, assembled as a rollout). The `model` field names a policy: a checkpoint
+id, `base`, or `RUN@latest`; adapters are hot-loaded by the resident policy.
+
+Episodes: a call is recorded under the episode id of its `X-Episode-Id` header, else of its `user`
+field; a call with neither is served but not recorded. See stages/recorder.py.
+
+Batching: requests wait in a queue; the batcher thread takes the first, collects whatever else
+arrives within `batch_window_s`, and generates each group of requests with the same policy and
+sampling settings in one `generate` call (n > 1 is n prompts of that call). A request with a
+`seed` is generated alone, so the same request with the same seed repeats exactly; unseeded calls
+draw their batch seed from the service's seeded stream.
+
+Errors are OpenAI-style JSON: 400 for a malformed request or a prompt over the context, 404 for
+an unknown model or episode, 500 (with the message, never a traceback) if generation fails; the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
+
+from stages.agent import ChatFormat
+from stages.generate import Sample, SamplingConfig, decode_turn
+from stages.recorder import Call, Completion, Recorder, assemble, chat_prompt
+from stages.resident import ResidentPolicy
+from stages.serve_api import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,
+                              visible_text, without_tool_calls)
+from storage.schema import Message, ToolCall
+from tasks.base import parse_tool_calls
+
+EPISODE_HEADER = "X-Episode-Id"
+
+# A model name -> (policy id, adapter folder or None for the base). Raises KeyError when unknown.
+Resolver = Callable[[str], tuple[str, str | None]]
+
+
+class ServiceError(Exception):
+    """A request the service refuses, with its HTTP status and OpenAI error code."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How the service samples and batches."""
+
+    default_max_tokens: int = 256  # a chat request without max_tokens: one tool call or a short answer
+    # Wait this long after the first queued request for others to share its generate call: agents'
+    # next calls arrive within milliseconds of each other, a CPU turn takes seconds.
+    batch_window_s: float = 0.05
+    max_batch: int = 64  # prompts per generate call: bounds the KV cache memory
+    # The rollout stage forces the run's temperature and top_p (the GRPO ratio needs the sampling
+    # temperature) and caps max_tokens; None lets each request choose.
+    forced: SamplingConfig | None = None
+    max_total_tokens: int | None = None  # rollout: an episode's whole sequence (prompt + completion)
+    seed: int = 0  # the stream of batch seeds for unseeded requests
+
+
+@dataclass
+class _Job:
+    policy_id: str
+    adapter_dir: str | None
+    prompts: list[list[int]]
+    sampling: SamplingConfig
+    seed: int | None
+    future: Future = field(default_factory=Future)
+
+
+class PolicyService:
+    """The model, the recorder and the batcher behind the HTTP app."""
+
+    def __init__(self, policy: ResidentPolicy, resolve: Resolver, config: ServiceConfig = ServiceConfig(),
+                 names: Callable[[], list[str]] = lambda: [], in_flight: Callable[[], int] | None = None) -> None:
+        """`in_flight`, when the caller knows it (the rollout stage), is the number of episodes
+        still running: a batch is generated as soon as each of them has a request queued, instead
+        of waiting out the window, and a slow straggler delays the others by the window at most."""
+        self.policy, self.resolve, self.config, self.names = policy, resolve, config, names
+        self.in_flight = in_flight
+        self.chat = ChatFormat(policy.tokenizer)
+        self.recorder = Recorder()
+        self.generate_calls = 0  # generate calls made (batching is visible in tests and benchmarks)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._seeds = random.Random(config.seed)
+        self._thread = threading.Thread(target=self._batch_loop, name="policy-batcher", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    # -- sampling --------------------------------------------------------------------------
+
+    def sampling(self, temperature: float | None, top_p: float | None, max_tokens: int | None,
+                 stop: list[str], prompt_len: int) -> SamplingConfig:
+        """The request's sampling settings, with the forced ones applied and max_tokens fitted to
+        the context (and to the episode budget in a rollout)."""
+        forced = self.config.forced
+        limit = self.policy.max_context
+        if self.config.max_total_tokens is not None:
+            limit = min(limit, self.config.max_total_tokens)
+        room = limit - prompt_len
+        if room < 1:
+            raise ServiceError(400, f"the prompt has {prompt_len} tokens; the limit is {limit}", "context_length_exceeded")
+        wanted = max_tokens or self.config.default_max_tokens
+        if forced is not None:
+            wanted = min(wanted, forced.max_new_tokens)
+            temperature, top_p, stop = forced.temperature, forced.top_p, list(forced.stop) + stop
+        return SamplingConfig(temperature=1.0 if temperature is None else temperature,
+                              top_p=1.0 if top_p is None else top_p,
+                              max_new_tokens=min(wanted, room), stop=tuple(stop))
+
+    async def generate(self, model: str, prompts: list[list[int]], sampling: SamplingConfig,
+                       seed: int | None) -> tuple[str, list[Sample]]:
+        """Queue prompts for the batcher; returns (policy id, one sample per prompt)."""
+        try:
+            policy_id, adapter_dir = self.resolve(model)
+        except KeyError as e:
+            raise ServiceError(404, e.args[0] if e.args else f"unknown model {model!r}", "model_not_found") from None
+        job = _Job(policy_id, adapter_dir, prompts, sampling, seed)
+        self._queue.put(job)
+        return policy_id, await asyncio.wrap_future(job.future)
+
+    def _batch_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            jobs = [first]
+            deadline = time.monotonic() + self.config.batch_window_s
+            while (left := deadline - time.monotonic()) > 0 and not (self.in_flight and len(jobs) >= self.in_flight()):
+                try:
+                    job = self._queue.get(timeout=left)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._queue.put(None)  # stop after this batch
+                    break
+                jobs.append(job)
+            # Requests differing only in max_tokens share a call (generating to the largest, each
+            # cut to its own): near the end of a context or episode budget they all differ.
+            groups: dict[tuple, list[_Job]] = {}
+            for job in jobs:
+                alone = id(job) if job.seed is not None else None
+                shared = replace(job.sampling, max_new_tokens=0)
+                groups.setdefault((job.policy_id, job.adapter_dir, shared, alone), []).append(job)
+            for group in groups.values():
+                self._run(group)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        """Generate a group in calls of at most max_batch prompts; every job gets its samples or the error."""
+        prompts = [(j, p) for j in jobs for p in j.prompts]
+        out: dict[int, list[Sample]] = {id(j): [] for j in jobs}
+        try:
+            for start in range(0, len(prompts), self.config.max_batch):
+                chunk = prompts[start : start + self.config.max_batch]
+                seed = jobs[0].seed if jobs[0].seed is not None else self._seeds.randrange(2**31)
+                sampling = replace(jobs[0].sampling, max_new_tokens=max(j.sampling.max_new_tokens for j, _ in chunk))
+                samples = self.policy.generate(jobs[0].policy_id, jobs[0].adapter_dir, [p for _, p in chunk],
+                                               sampling, seed)
+                self.generate_calls += 1
+                for (job, _), sample in zip(chunk, samples):
+                    out[id(job)].append(self._cut(sample, job.sampling.max_new_tokens))
+        except Exception as e:  # noqa: BLE001 - reported to each waiting request as a 500, the loop goes on
+            for job in jobs:
+                job.future.set_exception(e)
+            return
+        for job in jobs:
+            job.future.set_result(out[id(job)])
+
+    def _cut(self, sample: Sample, max_new_tokens: int) -> Sample:
+        """A sample cut to its own request's max_tokens (a batch generates to the largest)."""
+        if len(sample.token_ids) <= max_new_tokens:
+            return sample
+        ids = sample.token_ids[:max_new_tokens]
+        return Sample(ids, sample.logprobs[:max_new_tokens], decode_turn(self.policy.tokenizer, ids, self.policy.eos_ids),
+                      "length")
+
+    # -- endpoints -------------------------------------------------------------------------
+
+    async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
+        log = self.recorder.get(episode_id) if episode_id else None
+        prompt, seen = chat_prompt(self.chat, req.conversation(), log, self.policy.eos_ids)
+        sampling = self.sampling(req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens,
+                                 req.stop, len(prompt))
+        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        choices, recorded, returned = [], [], []
+        for i, s in enumerate(samples):
+            calls = [ToolCall(call_id(rid, i, k), c.name, c.arguments) for k, c in enumerate(parse_tool_calls(s.text, 0))]
+            shown = Message("assistant", without_tool_calls(visible_text(s.text, list(sampling.stop))), calls)
+            finish = "tool_calls" if calls else s.finish_reason
+            recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason))
+            returned.append(shown)
+            choices.append({"index": i, "message": shown.to_openai() | {"content": shown.content},
+                            "finish_reason": finish,
+                            "logprobs": {"content": logprobs_content(self.policy.tokenizer, s)} if req.logprobs else None})
+        if log is not None:
+            log.add(Call(seen, recorded), returned)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
+                "choices": choices, "usage": _usage(len(prompt), samples)}
+
+    async def completion(self, req: CompletionRequest, episode_id: str | None) -> dict[str, Any]:
+        tok = self.policy.tokenizer
+        prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in req.prompts()]
+        if any(not p for p in prompts):
+            raise ServiceError(400, "prompt must not be empty")
+        sampling = self.sampling(req.temperature, req.top_p, req.max_tokens, req.stop, max(map(len, prompts)))
+        _, samples = await self.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed)
+        log = self.recorder.get(episode_id) if episode_id else None
+        choices = []
+        for i, s in enumerate(samples):
+            prompt = prompts[i // req.n]
+            if log is not None:
+                log.add(Call([Message("user", req.prompts()[i // req.n])],
+                             [Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text), s.finish_reason)]), [])
+            lp = None
+            if req.logprobs is not None:
+                entries = logprobs_content(tok, s)
+                lp = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                      "top_logprobs": None, "text_offset": None}
+            choices.append({"index": i, "text": visible_text(s.text, list(sampling.stop)),
+                            "finish_reason": s.finish_reason, "logprobs": lp})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": req.model, "choices": choices, "usage": _usage(sum(map(len, prompts)), samples)}
+
+    def episode(self, episode_id: str) -> dict[str, Any]:
+        log = self.recorder.peek(episode_id)
+        if log is None or not log.calls:
+            raise ServiceError(404, f"no recorded calls for episode {episode_id!r}", "episode_not_found")
+        t = assemble(log)
+        return {"episode_id": episode_id, "token_ids": t.token_ids, "loss_mask": t.loss_mask,
+                "behavior_logprobs": t.behavior_logprobs, "segment_starts": t.segment_starts,
+                "num_turns": t.num_turns, "messages": [m.to_openai() for m in t.messages]}
+
+
+def _usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:
+    completion = sum(len(s.token_ids) for s in samples)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def build_app(service: PolicyService) -> Any:
+    """The FastAPI app of a service."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="rlops policy service", docs_url=None, redoc_url=None)
+
+    def episode_of(request: Request, user: str | None) -> str | None:
+        return request.headers.get(EPISODE_HEADER) or user
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"),
+                                status_code=400)
+        where = ".".join(str(p) for p in first.get("loc", ())[1:])
+        return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}" if where else
+                                       str(first.get("msg", "invalid request")), param=where or None), status_code=400)
+
+    @app.exception_handler(ServiceError)
+    async def _refused(request: Request, exc: ServiceError) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return JSONResponse(error_body(str(exc), kind, exc.code), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request) -> dict[str, Any]:
+        return await service.chat_completion(req, episode_of(request, req.user))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> dict[str, Any]:
+        return await service.completion(req, episode_of(request, req.user))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "rlops"}
+                                           for n in service.names()]}
+
+    @app.get("/rlops/episodes/{episode_id}")
+    async def episode(episode_id: str) -> dict[str, Any]:
+        return service.episode(episode_id)
+
+    return app
+
+
+class ServerThread:
+    """uvicorn serving an app on 127.0.0.1 in a background thread; the context value is its base URL."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))  # port 0: a free one, known before the server starts
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the policy service failed to start on {self.url}")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+        self.sock.close()
+
+
+# -- which policies a workspace serves ------------------------------------------------------
+
+
+def _checkpoints(checkpoints_file: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    if not checkpoints_file.exists():
+        return []
+    cols = ["policy_id", "base_model", "kind", "adapter_uri", "run_name", "created_at"]
+    return sorted(pq.read_table(checkpoints_file, columns=cols).to_pylist(), key=lambda r: r["created_at"])
+
+
+def find_checkpoint(checkpoints_file: Path, name: str) -> dict[str, Any]:
+    """The checkpoint row a policy id or `RUN@latest` (the run's newest trained checkpoint) names,
+    from the catalog's Parquet snapshot (kept current by a running pipeline, readable without a lock)."""
+    table = _checkpoints(checkpoints_file)
+    if name.endswith("@latest"):
+        run = name[: -len("@latest")]
+        trained = [r for r in table if r["run_name"] == run and r["kind"] != "base"]
+        if not trained:
+            raise KeyError(f"run {run!r} has no trained checkpoint in this workspace")
+        return trained[-1]
+    row = next((r for r in table if r["policy_id"] == name), None)
+    if row is None:
+        raise KeyError(f"unknown model {name!r}: not a checkpoint id, 'base' or 'RUN@latest'")
+    return row
+
+
+def catalog_resolver(checkpoints_file: Path, base_model: str) -> tuple[Resolver, Callable[[], list[str]]]:
+    """Resolve `model` names against a workspace's checkpoints: a policy id, `base`, or `RUN@latest`.
+    Only checkpoints of `base_model` can be served. Read on every request, so checkpoints written
+    after the server started are served without a restart."""
+
+    def resolve(name: str) -> tuple[str, str | None]:
+        if name == "base":
+            return "base", None
+        row = find_checkpoint(checkpoints_file, name)
+        if row["base_model"] != base_model:
+            raise KeyError(f"{row['policy_id']} is trained on {row['base_model']!r}; this server serves {base_model!r}")
+        if row["adapter_uri"] and not Path(row["adapter_uri"]).exists():
+            raise KeyError(f"the adapter files of {row['policy_id']} are missing: {row['adapter_uri']}")
+        return row["policy_id"], row["adapter_uri"]
+
+    def names() -> list[str]:
+        table = [r for r in _checkpoints(checkpoints_file) if r["kind"] != "base" and r["base_model"] == base_model]
+        runs = sorted({r["run_name"] for r in table if r["run_name"]})
+        return ["base"] + [r["policy_id"] for r in table] + [f"{run}@latest" for run in runs]
+
+    return resolve, names
+
+
+def fixed_resolver(policy_id: str, adapter_dir: str | None) -> tuple[Resolver, Callable[[], list[str]]]:
+    """Serve exactly one policy (the rollout stage's), named by its id."""
+
+    def resolve(name: str) -> tuple[str, str | None]:
+        if name != policy_id:
+            raise KeyError(f"unknown model {name!r}: this rollout serves {policy_id!r} (the `model` argument)")
+        return policy_id, adapter_dir
+
+    return resolve, lambda: [policy_id]

@@ -1,0 +1,77 @@
+"""A tiny model that has memorised one tool-using conversation, so tests see real tool calls.
+
+The random tiny model of tests/conftest.py never writes a `<tool_call>`; this one is the same
+architecture trained (a few seconds on CPU) until greedy decoding reproduces the scripted
+assistant turns: a `search` call, then the answer after the tool's result. Everything around it
+(templates, tokens, log-probs, the service) is real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SYSTEM = "You answer questions with the tools."
+QUESTION = "When was Vexhollow Dynamics founded?"
+CALL = {"name": "search", "arguments": {"query": "Vexhollow"}}
+TOOL_RESULT = "d12: Vexhollow Dynamics was founded in 1987."
+ANSWER = "1987"
+TOOLS: list[dict[str, Any]] = [{
+    "type": "function",
+    "function": {"name": "search", "description": "Search the knowledge base.",
+                 "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}},
+}]
+
+
+def script_messages(call_id: str = "call_0") -> list[dict[str, Any]]:
+    """The scripted conversation in the OpenAI shape, as the service renders it (tools in the system message)."""
+    from tasks.base import render_system_prompt
+
+    return [
+        {"role": "system", "content": render_system_prompt(SYSTEM, TOOLS)},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(CALL)}</tool_call>"},
+        {"role": "tool", "content": TOOL_RESULT, "tool_call_id": call_id},
+        {"role": "assistant", "content": ANSWER},
+    ]
+
+
+def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-2) -> Path:
+    """Train a copy of the tiny model at `model_dir` on the scripted conversation; save it to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    messages = script_messages()
+    # One sequence, the whole conversation; the loss is on the assistant turns (with their <|im_end|>).
+    ids: list[int] = []
+    labels: list[int] = []
+    for k in (2, 4):
+        prompt = tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+        p = tok(prompt, add_special_tokens=False)["input_ids"][len(ids):]
+        a = tok(messages[k]["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids += p + a
+        labels += [-100] * len(p) + a
+        ids += tok("\n", add_special_tokens=False)["input_ids"]  # the template's newline after <|im_end|>
+        labels += [-100]
+    ids_t, labels_t = torch.tensor([ids]), torch.tensor([labels])
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = model(input_ids=ids_t, labels=labels_t).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model folder whose greedy answer to the scripted question is the scripted tool call."""
+    return train_scripted(tiny_model_dir, tmp_path_factory.mktemp("scripted"))
