@@ -111,7 +111,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         artifact = run_here(stage_flow, args.stage, cfg.model_dump(mode="json"), str(_workspace_path(args)), **inputs)
     else:  # quick path: no Prefect server start for one stage
         ws = Workspace.open(args.workspace)
-        artifact = call_stage(args.stage, cfg, StageContext(ws, run_name=cfg.name), **inputs).id
+        artifact = call_stage(args.stage, cfg, StageContext(ws, run_name=cfg.name, ray=cfg.ray), **inputs).id
     _emit(args, {"stage": args.stage, "artifact_id": artifact}, artifact)
     return 0
 

@@ -66,6 +66,9 @@ class GRPOConfig(BaseModel):
     # Keep only each decoder layer's input for backward and recompute the rest: far less activation
     # memory for ~1/3 more compute. Numerics are unchanged, so it is not part of the checkpoint id.
     activation_checkpointing: bool = True
+    # Data-parallel workers (Ray Train DDP, stages/grpo_workers.py); the update equals one worker's
+    # up to float summation order, so it is not part of the checkpoint id.
+    workers: int = Field(1, ge=1)
     max_grad_norm: float = 1.0  # the common clip; a few outlier sequences cannot blow up a step
     weight_decay: float = 0.0  # decay on LoRA weights pulls toward the base for no measured gain (TRL's default)
     scale: Literal["group", "batch", "none"] = "group"  # GRPO's per-group std; "none" is Dr. GRPO
@@ -79,7 +82,7 @@ class GRPOConfig(BaseModel):
     lora: LoRASettings = Field(default_factory=LoRASettings)  # used only when the parent has no adapter
 
 
-OPERATIONAL = {"activation_checkpointing"}  # settings that change cost, not results: left out of the id
+OPERATIONAL = {"activation_checkpointing", "workers"}  # settings that change cost, not results: left out of the id
 
 
 @dataclass(frozen=True)
@@ -372,7 +375,9 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
             for group in optimizer.param_groups:  # the saved state carries the parent's lr; this config wins
                 group.update(lr=config.lr, weight_decay=config.weight_decay)
 
-        history = train_on_batch(model, optimizer, samples, advantages, config)
+        from stages import grpo_workers
+
+        history = grpo_workers.train(model, optimizer, samples, advantages, config, ctx=ctx, base_model=base_model)
         for epoch, m in enumerate(history):
             ctx.ws.tracker.log_metrics(mlflow_run_id, {f"train/{k}": v for k, v in m.items()}, step=epoch)
         if history:  # last epoch's values; speed and first-pass ratio over the whole update
