@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
 from stages.model import resolve_model
+from storage.checkpoints import local_copy, publish
 from storage.ids import config_hash
 from storage.workspace import Workspace
 
@@ -365,7 +366,8 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
         import torch
 
         samples, advantages, metrics = _training_data(_read_scored(ctx.ws, batches, reward), config)
-        base_model, adapter_dir = resolve_policy(ctx.ws, parent_policy)
+        base_model, adapter_uri = resolve_policy(ctx.ws, parent_policy)
+        adapter_dir = local_copy(adapter_uri)  # an object-store checkpoint is downloaded once per machine
         model = _load_trainable(base_model, adapter_dir, config.lora)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                       lr=config.lr, weight_decay=config.weight_decay)
@@ -393,7 +395,7 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
                                                    "metrics": metrics})
         ctx.ws.catalog.add_checkpoint({
             "policy_id": policy_id, "parent_id": parent_policy, "base_model": base_model, "kind": "grpo",
-            "adapter_uri": str(final), "step": step, "trained_on": trained_on,
+            "adapter_uri": publish(ctx.ws.settings, final), "step": step, "trained_on": trained_on,
             "config_hash": config_hash(cfg), "mlflow_run_id": mlflow_run_id, "run_name": ctx.run_name})
         return metrics
 

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.cluster import RayConfig, connect
+from storage.checkpoints import local_copy
 from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
 from storage.schema import Rollout, to_table
 from tasks.base import Prompt, load_task
@@ -70,6 +71,7 @@ class RolloutWorker:
 
             torch.set_num_threads(threads)
         self.config, self.policy_id, self.task_spec = config, policy_id, task
+        adapter_dir = local_copy(adapter_dir)  # on this worker's machine: an object-store checkpoint is downloaded
         self.task = load_task(task.name, task.params)
         if config.backend == "vllm":
             from stages.engine import resident_vllm

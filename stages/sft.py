@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from stages.common import ArtifactRef, StageContext, base_policy, run_stage
 from stages.model import resolve_model
+from storage.checkpoints import publish
 from storage.ids import config_hash
 
 VERSION = "1"  # bump when training changes for the same config (template, masking, saving)
@@ -229,7 +230,7 @@ def run(config: SFTConfig, ctx: StageContext, base_model: str, data: str) -> Art
             shutil.rmtree(tmp, ignore_errors=True)  # only left after a failure: never a half-written checkpoint
         ws.catalog.add_checkpoint({
             "policy_id": policy_id, "parent_id": parent_id, "base_model": base_model, "kind": "sft",
-            "adapter_uri": str(final), "step": 0, "trained_on": {"data": data_path, "data_hash": data_hash},
+            "adapter_uri": publish(ws.settings, final), "step": 0, "trained_on": {"data": data_path, "data_hash": data_hash},
             "config_hash": config_hash(cfg), "mlflow_run_id": run_id, "run_name": ctx.run_name,
         })
         return metrics

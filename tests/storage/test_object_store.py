@@ -74,13 +74,14 @@ def _sql(env: dict[str, str], workspace: Path, query: str) -> subprocess.Complet
 
 
 @pytest.mark.slow
-def test_two_step_pipeline_on_s3_then_rlops_sql(s3, tmp_path, tiny_model_dir):
+def test_two_step_pipeline_on_s3_then_rlops_sql(s3, tmp_path, tiny_model_dir, monkeypatch):
     from flows import pipeline
     from flows.run_config import from_dict
     from stages.common import StageContext
     from tests.flows.conftest import expected_rows, tiny_config
 
     cfg = tiny_config(tiny_model_dir, name="s3", steps=2)
+    monkeypatch.setenv("RLOPS_CACHE", str(tmp_path / "cache"))  # where checkpoints are downloaded to
     ws = Workspace.open(tmp_path / "ws")
     assert not ws.data.local
     result = pipeline.train(from_dict(cfg), StageContext(ws, run_name="s3"), on_step=lambda row: None)
@@ -92,6 +93,15 @@ def test_two_step_pipeline_on_s3_then_rlops_sql(s3, tmp_path, tiny_model_dir):
     assert not list((tmp_path / "ws").rglob("*/rollouts/*.parquet"))
     paths = [f["path"] for f in ws.catalog.artifact_files(result.batches[0])]
     assert paths and all(p.startswith(f"s3://{BUCKET}/data/rollouts/") for p in paths)
+
+    # Checkpoints too: each adapter is in the bucket (marker last) and was loaded from a downloaded copy.
+    for policy in [result.sft, *result.policies]:
+        uri = ws.catalog.get_checkpoint(policy)["adapter_uri"]
+        assert uri == f"s3://{BUCKET}/data/checkpoints/{policy}"
+        assert f"data/checkpoints/{policy}/_COMPLETE" in keys
+        assert f"data/checkpoints/{policy}/adapter_model.safetensors" in keys
+    for parent in [result.sft, result.policies[0]]:  # what step 2's rollout and GRPO loaded
+        assert (tmp_path / "cache" / "checkpoints" / parent / "_COMPLETE").exists()
 
     expected = expected_rows(cfg)
     out = _sql(s3, tmp_path / "ws", "SELECT (SELECT count(*) FROM rollouts) AS rollouts, (SELECT count(*) FROM rewards) AS rewards")
