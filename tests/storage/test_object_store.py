@@ -159,3 +159,28 @@ def test_killed_write_leaves_nothing_visible_on_s3(s3, tmp_path):
     assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 8}]
     out = _sql(s3, tmp_path / "ws", "SELECT count(*) AS n FROM rollouts")
     assert _rows(out) == [{"n": 8}]
+
+
+def test_checkpoint_upload_without_marker_is_never_loaded(s3, tmp_path, monkeypatch):
+    import boto3
+
+    from storage.checkpoints import local_copy, publish
+    from storage.settings import Settings
+
+    monkeypatch.setenv("RLOPS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "ck-abc"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "adapter_config.json").write_text("{}")
+    (folder / "sub" / "optimizer.pt").write_bytes(b"\x00" * 1000)
+    settings = Settings.from_env(tmp_path / "ws")
+    uri = publish(settings, folder)
+    assert uri == f"s3://{BUCKET}/data/checkpoints/ck-abc"
+    local = Path(local_copy(uri))
+    assert (local / "sub" / "optimizer.pt").read_bytes() == b"\x00" * 1000
+    assert local_copy(str(folder)) == str(folder)  # a local checkpoint is used where it is
+
+    boto3.client("s3").delete_object(Bucket=BUCKET, Key="data/checkpoints/ck-abc/_COMPLETE")  # as if killed mid-upload
+    monkeypatch.setenv("RLOPS_CACHE", str(tmp_path / "other-machine"))
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        local_copy(uri)
+    assert not (tmp_path / "other-machine" / "checkpoints" / "ck-abc").exists()
