@@ -156,7 +156,20 @@ def _worker_loop(args: dict[str, Any]) -> None:
         combined.append(out)
     if rank == 0:
         state = {n: p.detach().cpu() for n, p in trainable.items()}
-        ray.get(args["mailbox"].put.remote(state, optimizer.state_dict(), combined))
+        ray.get(args["mailbox"].put.remote(state, _cpu(optimizer.state_dict()), combined))
+
+
+def _cpu(state: Any) -> Any:
+    """An optimizer state dict with every tensor on the CPU: what travels between machines."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: _cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_cpu(v) for v in state]
+    return state
 
 
 class _Mailbox:
@@ -186,7 +199,7 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
     trainable = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
     mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()
     args = {"config": config, "base_model": base_model, "peft_config": model.peft_config[model.active_adapter],
-            "weights": trainable, "optimizer": optimizer.state_dict(), "samples": samples,
+            "weights": trainable, "optimizer": _cpu(optimizer.state_dict()), "samples": samples,
             "advantages": advantages.float().cpu(), "mailbox": mailbox}
     start = time.perf_counter()
     trainer = TorchTrainer(

@@ -1,4 +1,5 @@
-"""A pipeline step on a real two-node Ray cluster (`ray start --head` + `ray start --address=...`).
+"""A pipeline step on a real two-node Ray cluster (`ray start --head` + `ray start --address=...`):
+rollout, scoring and a 2-worker DDP GRPO update.
 
 The `rlops` driver runs as its own process, as a user runs it, with the cluster's token in its
 environment; the head node has no CPUs, so rollout actors and scoring tasks must run on the worker
@@ -54,6 +55,9 @@ def test_rollout_and_score_run_on_the_worker_node(tmp_path, tiny_model_dir):
         batch = _rlops(driver_env, "stage", "rollout", str(path), "--policy", "base", *ws_args)
         scored = _rlops(driver_env, "stage", "score", str(path), "--rollouts", batch, *ws_args)
         worker_pids = cluster.worker_pids()  # while the node runs: its raylet is every worker's parent
+        # Training uses the same section: two Ray Train DDP workers (the head has no CPU for them).
+        policy = _rlops(driver_env, "stage", "grpo", str(path), "--policy", "base", "--rollouts", batch,
+                        "--reward", "total", "--set", "grpo.workers=2", "--set", "grpo.lr=1e-3", *ws_args)
 
     ws = Workspace.open(tmp_path / "ws")
     assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 4}]
@@ -64,6 +68,9 @@ def test_rollout_and_score_run_on_the_worker_node(tmp_path, tiny_model_dir):
     for node, pid, ppid in rollout_at + score_at:
         assert node == cluster.worker_node_id
         assert ppid in worker_pids and pid != os.getpid()
+    checkpoint = ws.catalog.get_checkpoint(policy)
+    assert checkpoint["kind"] == "grpo" and checkpoint["trained_on"]["batches"] == [batch]
+    assert (tmp_path / "ws" / "checkpoints" / policy / "adapter_model.safetensors").exists()
 
 
 def test_moved_ray_address_is_a_clear_config_error(tiny_model_dir):
