@@ -39,13 +39,15 @@ def train(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.T
           ctx: StageContext, base_model: str) -> list[dict[str, float]]:
     """`train_on_batch` with `config.workers` workers; updates `model` and `optimizer` in place and
     returns one metrics dict per epoch (as `train_on_batch`)."""
-    workers = min(config.workers, len(samples))  # every worker needs at least one sample
-    if workers <= 1:
-        from stages.engine import engines_asleep
+    from stages.engine import engines_asleep
 
-        with engines_asleep(), _autocast(next(model.parameters()).device):
-            return train_on_batch(model, optimizer, samples, advantages, config)
-    return _train_distributed(model, optimizer, samples, advantages, config, workers, ctx=ctx, base_model=base_model)
+    workers = min(config.workers, len(samples))  # every worker needs at least one sample
+    with engines_asleep():  # a resident vLLM engine gives its GPU memory to training meanwhile
+        if workers <= 1:
+            with _autocast(next(model.parameters()).device):
+                return train_on_batch(model, optimizer, samples, advantages, config)
+        return _train_distributed(model, optimizer, samples, advantages, config, workers, ctx=ctx,
+                                  base_model=base_model)
 
 
 def _autocast(device: Any) -> Any:
