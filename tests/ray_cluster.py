@@ -4,7 +4,7 @@
         cluster.address, cluster.env                     # for a driver: the `ray:` address, the token
         cluster.worker_node_id, cluster.worker_pids()    # where work is expected to run
 
-Both nodes are `ray start --block` processes started here, bound to 127.0.0.1 (`--node-ip-address`
+Both nodes are `ray start --block` processes started here, advertising 127.0.0.1 (`--node-ip-address`
 on both: by default Ray advertises the machine's interface address), with every port chosen free
 (other Ray clusters may run on the same machine) and their own temp folder. The head has no CPUs,
 so every task and actor is placed on the worker node. Ray 2.60 enables token authentication on
