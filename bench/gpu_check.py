@@ -1,11 +1,14 @@
-"""GPU check of the vLLM backend: a small rollout batch of SmolLM2-135M with a LoRA adapter.
+"""GPU check: a 3-step pipeline (rollout -> score -> GRPO) of SmolLM2-135M-Instruct on one GPU, with
+the vLLM backend.
 
     bash bench/gpu_check.sh          # installs vllm, prepares the model, runs this
 
-Builds a fresh LoRA adapter (r=16, q/k/v/o, non-zero B so it changes outputs), registers it as
-a checkpoint, runs the rollout stage with `backend: vllm` on 8 arithmetic prompts x G=8, checks
-that behaviour log-probs agree with a transformers forward pass of the same policy on the stored
-tokens, and prints completion tokens/s.
+What it exercises: one resident vLLM engine for the whole run (adapters hot-swapped per step,
+stages/engine.py), asleep while GRPO trains on the same GPU; GRPO in bf16 autocast with fp32 LoRA
+weights. What it prints: the time of each step, generation tokens/s per step, and how well vLLM's
+behaviour log-probs agree with the trainer's log-probs of the same policy on the same tokens
+(mean |Δ| and the share of tokens with |Δ| > 1e-2): that gap is what the importance ratio of the
+first GRPO pass sees instead of 1.
 """
 
 from __future__ import annotations
@@ -18,54 +21,74 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def logprob_agreement(ws, batch_id: str, temperature: float) -> tuple[float, float, int]:
+    """(mean |Δ|, share of tokens with |Δ| > 1e-2, tokens) between the stored behaviour log-probs of a
+    batch and the trainer's log-probs of the policy that sampled it (fp32 weights, bf16 autocast)."""
+    import torch
+
+    from stages.common import resolve_policy
+    from stages.grpo import GRPOConfig, _load_trainable
+    from stages.logprobs import token_logprobs
+    from storage.checkpoints import local_copy
+    from storage.schema import Rollout, from_table
+
+    rows = from_table(ws.read_artifact(batch_id), Rollout)
+    base_model, adapter = resolve_policy(ws, rows[0].policy_id)
+    model = _load_trainable(base_model, local_copy(adapter), GRPOConfig().lora).eval()
+    deltas = []
+    for r in rows:
+        ids = torch.tensor([r.token_ids], device="cuda")
+        mask = torch.tensor([r.loss_mask], device="cuda").bool()
+        mask[:, 0] = False
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            lp = token_logprobs(model, ids, torch.ones_like(ids), mask, temperature)  # (1, T)
+        want = torch.tensor([r.behavior_logprobs], device="cuda")
+        deltas.append((lp[mask].float() - want[mask]).abs().cpu())
+    d = torch.cat(deltas)
+    del model
+    torch.cuda.empty_cache()
+    return float(d.mean()), float((d > 1e-2).float().mean()), d.numel()
+
+
 def main() -> None:
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    from stages import rollout
-    from stages.common import StageContext, base_policy
-    from stages.logprobs import token_logprobs
+    from flows import pipeline
+    from flows.run_config import from_dict
+    from stages import engine
+    from stages.common import StageContext
     from stages.model import prepare_default_model
-    from storage.schema import Rollout, from_table
     from storage.workspace import Workspace
 
-    base = str(prepare_default_model())
+    assert torch.cuda.is_available(), "no CUDA device"
+    prepare_default_model()
+    cfg = from_dict({
+        "name": "gpu-check", "task": {"name": "arithmetic"}, "steps": 3,
+        "rollout": {"backend": "vllm", "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 64,
+                    "groups_per_shard": 16},
+        "score": {"rewards": [{"name": "correct", "fn": "rewards.builtin.numeric_match"}]},
+        "grpo": {"lr": 1e-4, "micro_batch_size": 32, "micro_batch_tokens": None},
+        "eval": {"n_prompts": 32, "every": 3, "metric": "correct"},
+    })
     ws = Workspace.open(Path(tempfile.mkdtemp()) / "ws")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(0)
-    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                                  init_lora_weights=False))
-    adapter = ws.root / "checkpoints" / "gpu-check-adapter"
-    peft_model.save_pretrained(adapter)
-    parent = base_policy(ws, base)
-    ws.catalog.add_checkpoint({"policy_id": "ck-gpucheck", "parent_id": parent, "base_model": base, "kind": "grpo",
-                               "adapter_uri": str(adapter), "step": 1, "trained_on": {}, "config_hash": "gpu"})
-    ws.catalog.complete_artifact("ck-gpucheck", "checkpoint", "grpo", [parent], "gpu")
+    marks: list[float] = [time.perf_counter()]
 
-    cfg = rollout.RolloutConfig(backend="vllm", prompts_per_step=8, group_size=8, max_new_tokens=64, groups_per_shard=8)
-    task = rollout.TaskSpec(name="arithmetic")
-    t0 = time.perf_counter()
-    ref = rollout.run(cfg, StageContext(ws, run_name="gpu-check"), "ck-gpucheck", task)
-    seconds = time.perf_counter() - t0
-    rows = from_table(ws.read_artifact(ref.id), Rollout)
-    sampled = sum(sum(r.loss_mask) for r in rows)
-    print(f"vllm rollout: {len(rows)} episodes, {sampled} sampled tokens in {seconds:.1f} s "
-          f"(incl. engine start) = {sampled / seconds:.0f} tok/s")
+    def on_step(row: dict) -> None:
+        if "step" in row:
+            marks.append(time.perf_counter())
+            print(f"step {row['step']}: {marks[-1] - marks[-2]:.1f} s (incl. engine start on the first), "
+                  f"reward_mean {row['reward_mean']:.3f}", flush=True)
+        else:
+            marks[-1] = time.perf_counter()  # evaluations are not part of a step's time
 
-    device = "cuda"
-    peft_model = peft_model.to(device).eval()
-    worst = 0.0
-    for r in rows[:16]:
-        ids = torch.tensor([r.token_ids], device=device)
-        mask = torch.tensor([r.loss_mask], device=device).bool()
-        with torch.no_grad():
-            lp = token_logprobs(peft_model, ids, torch.ones_like(ids), mask, temperature=cfg.temperature)
-        got = lp[mask].cpu()
-        want = torch.tensor(r.behavior_logprobs)[torch.tensor(r.loss_mask).bool()]
-        worst = max(worst, (got - want).abs().max().item())
-    print(f"max |vllm behaviour log-prob - transformers log-prob| over 16 episodes: {worst:.4f}")
-    print("OK" if worst < 0.05 else "MISMATCH: check logprobs_mode / LoRA loading")
+    result = pipeline.train(cfg, StageContext(ws, run_name="gpu-check"), on_step=on_step)
+    print(f"vLLM engines built in this run: {len(engine._RESIDENT)} (one per base model, reused by every step)")
+    for step, batch in enumerate(result.batches):
+        metrics = ws.catalog.get_artifact(batch)["meta"]["metrics"]
+        mean, share, n = logprob_agreement(ws, batch, cfg.rollout.temperature)
+        print(f"step {step}: generation {metrics['tokens_per_s']:.0f} sampled tok/s; vLLM vs trainer log-probs over "
+              f"{n} tokens: mean |Δ| {mean:.4f}, |Δ| > 1e-2 on {share:.1%}")
+    print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (this process's torch allocations)")
 
 
 if __name__ == "__main__":

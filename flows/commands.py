@@ -118,7 +118,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
         quiet_console(_workspace_path(args))
         ws = Workspace.open(args.workspace)
-        artifact = call_stage(args.stage, cfg, StageContext(ws, run_name=cfg.name), **inputs).id
+        artifact = call_stage(args.stage, cfg, StageContext(ws, run_name=cfg.name, ray=cfg.ray), **inputs).id
     _emit(args, {"stage": args.stage, "artifact_id": artifact}, artifact)
     return 0
 

@@ -113,7 +113,7 @@ def _context(ws: Workspace, cfg: RunConfig) -> StageContext:
                         params=cfg.model_dump(mode="json"))
     ws.catalog.upsert_run(cfg.name, cfg.model_dump(mode="json"), parent, "running")
     flow_run = get_run_context().flow_run
-    return StageContext(ws, run_name=cfg.name, parent_run_id=parent, prefect_flow_run_id=str(flow_run.id))
+    return StageContext(ws, run_name=cfg.name, parent_run_id=parent, prefect_flow_run_id=str(flow_run.id), ray=cfg.ray)
 
 
 def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult) -> dict[str, Any]:
@@ -211,7 +211,7 @@ def rescore_flow(config: dict[str, Any], run_name: str, workspace: str | None = 
     """Rescore every stored training batch of `run_name` with the config's rewards (no generation)."""
     cfg = from_dict(config)
     ws = Workspace.open(workspace)
-    ctx = StageContext(ws, run_name=run_name, prefect_flow_run_id=str(get_run_context().flow_run.id))
+    ctx = StageContext(ws, run_name=run_name, prefect_flow_run_id=str(get_run_context().flow_run.id), ray=cfg.ray)
     return [r.id for r in pipeline.rescore(cfg, ctx, run_name, prefect_call)]
 
 
@@ -224,7 +224,8 @@ def retrain_flow(config: dict[str, Any], from_policy: str, run_name: str, worksp
     branch = branch or f"{run_name}-retrain"
     parent = parent_run(ws, branch, title=f"retrain:{branch}", tags={"rlops.run_name": branch, "rlops.from_policy": from_policy,
                                                                      "rlops.replayed_run": run_name})
-    ctx = StageContext(ws, run_name=branch, parent_run_id=parent, prefect_flow_run_id=str(get_run_context().flow_run.id))
+    ctx = StageContext(ws, run_name=branch, parent_run_id=parent, prefect_flow_run_id=str(get_run_context().flow_run.id),
+                       ray=cfg.ray)
     ws.catalog.upsert_run(branch, {"retrain_of": run_name, "from_policy": from_policy, **cfg.model_dump(mode="json")},
                           parent, "running")
     lineage = pipeline.retrain(cfg, ctx, from_policy, run_name, prefect_call)
@@ -246,5 +247,5 @@ def stage_flow(stage: str, config: dict[str, Any], workspace: str | None = None,
 
     cfg = from_dict(config)
     ws = Workspace.open(workspace)
-    ctx = StageContext(ws, run_name=cfg.name, prefect_flow_run_id=str(get_run_context().flow_run.id))
+    ctx = StageContext(ws, run_name=cfg.name, prefect_flow_run_id=str(get_run_context().flow_run.id), ray=cfg.ray)
     return call_stage(stage, cfg, ctx, prefect_call, **inputs).id

@@ -6,6 +6,7 @@
     steps: 40
     sft: {data: oracle, max_steps: 60}     # optional warm-start
     rollout: {...}  score: {rewards: [...]}  grpo: {...}  eval: {...}
+    ray: {address: 10.0.0.5:6379}          # optional: a Ray cluster for rollout, score and grpo workers
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.config import ConfigError, load_config, validate
 from stages.common import Operational
+from stages.cluster import RayConfig
 from stages.evaluate import EvalConfig
 from stages.grpo import GRPOConfig
 from stages.rollout import RolloutConfig, TaskSpec
@@ -51,6 +53,16 @@ class RunConfig(BaseModel):
     # Checkpoints logged to MLflow as models (adapter files + lineage tags): the final one, or every
     # one (SFT and each GRPO step; ~1 adapter's size per step in mlartifacts/).
     mlflow_models: Literal["final", "all"] = "final"
+    ray: RayConfig = RayConfig()  # where rollout, score and GRPO workers run (stages/cluster.py)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        # rollout.ray_address became the run-wide `ray.address` (scoring and training use the cluster too).
+        if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and "ray_address" in data["rollout"]:
+            raise ValueError("rollout.ray_address was moved: set `ray: {address: ...}` at the top level "
+                             "(it applies to rollout, score and grpo)")
+        return data
 
     @property
     def reward_name(self) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from stages.common import StageContext
 from storage.atomic import WriteError, atomic_dir
+from storage.checkpoints import publish
 from storage.workspace import Workspace
 
 
@@ -53,5 +54,7 @@ def write_checkpoint(ctx: StageContext, checkpoint: Checkpoint, save: Callable[[
         raise
     except Exception as e:  # noqa: BLE001 - safetensors and torch.save report a full disk in their own types, without the path
         raise WriteError(errno.EIO, f"cannot write {final}: {e}") from e
-    ctx.ws.catalog.add_checkpoint({**asdict(checkpoint), "adapter_uri": str(final), "run_name": ctx.run_name})
+    # With an object-store data root the folder is uploaded (completion marker last) and registered by its URI.
+    ctx.ws.catalog.add_checkpoint({**asdict(checkpoint), "adapter_uri": publish(ctx.ws.settings, final),
+                                   "run_name": ctx.run_name})
     return final

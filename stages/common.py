@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
+from stages.cluster import RayConfig
 from storage.ids import artifact_id as make_id
 from storage.ids import config_hash
 from storage.schema import now
@@ -65,6 +66,7 @@ class StageContext:
     prefect_flow_run_id: str | None = None
     force: bool = False  # recompute even if a complete artifact exists
     tags: dict[str, str] = field(default_factory=dict)
+    ray: RayConfig = field(default_factory=RayConfig)  # where Ray work runs (the run config's `ray:` section)
 
 
 def run_stage(

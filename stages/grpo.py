@@ -23,9 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.checkpoints import Checkpoint, write_checkpoint
 from stages.common import ArtifactRef, Operational, StageContext, identity, resolve_policy, run_stage
 from stages.grpo_data import read_training_data
-from stages.grpo_train import load_for_update, save_update, train_on_batch
+from stages import grpo_workers
+from stages.grpo_train import load_for_update, save_update
 from stages.lora import LoRASettings
 from stages.reward_ref import RewardRef
+from storage.checkpoints import local_copy
 from storage.ids import config_hash
 
 
@@ -46,6 +48,9 @@ class GRPOConfig(BaseModel):
     # Keep only each decoder layer's input for backward and recompute the rest: far less activation
     # memory for ~1/3 more compute. Numerics are unchanged, so it is not part of the checkpoint id.
     activation_checkpointing: bool = Operational(True)
+    # Data-parallel workers (Ray Train DDP, stages/grpo_workers.py); the update equals one worker's
+    # up to float summation order, so it is not part of the checkpoint id.
+    workers: int = Operational(1, ge=1)
     max_grad_norm: float = 1.0  # the common clip; a few outlier sequences cannot blow up a step
     weight_decay: float = 0.0  # decay on LoRA weights pulls toward the base for no measured gain (TRL's default)
     scale: Literal["group", "batch", "none"] = "group"  # GRPO's per-group std; "none" is Dr. GRPO
@@ -71,10 +76,12 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
         ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": str(reward)})  # which reward version this run trained on
         data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline)
-        base_model, adapter_dir = resolve_policy(ctx.ws, parent_policy)
-        model, optimizer = load_for_update(base_model, adapter_dir, config)
+        base_model, adapter_uri = resolve_policy(ctx.ws, parent_policy)
+        # an object-store checkpoint is downloaded once per machine
+        model, optimizer = load_for_update(base_model, local_copy(adapter_uri), config)
 
-        history = train_on_batch(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature)
+        history = grpo_workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
+                                     ctx=ctx, base_model=base_model)
         for epoch, m in enumerate(history):
             ctx.ws.tracker.log_metrics(mlflow_run_id, {f"train/{k}": v for k, v in m.items()}, step=epoch)
         # Nothing to train on (every group agreed): every advantage is 0, and so are the loss and the clipping.

@@ -6,8 +6,10 @@ deterministic (`<batch>-g<group>-s<sample>`), a rerun regenerates only the missi
 batch becomes visible (complete) only when every shard is there.
 
 `workers: 1` generates in this process; `workers: N` starts N Ray actors (each with its own
-policy replica or engine) and splits the shards among them; `ray_address` joins a cluster. Only
-this (driver) process writes Parquet and the catalog: actors hand back Arrow tables.
+policy replica or engine) and splits the shards among them, on the cluster of the run's `ray:`
+section (stages/cluster.py) or a local Ray. Only this (driver) process writes Parquet and the
+catalog: actors hand back Arrow tables. Where the actors ran is recorded on the stage's MLflow
+run (tag `rlops.ray_workers`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.cluster import RayConfig, connect
 from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
+from storage.checkpoints import local_copy
 from storage.schema import Rollout, to_table
 from tasks.base import Prompt, content_digest, load_task
 
@@ -45,7 +49,6 @@ class RolloutConfig(BaseModel):
     backend: Literal["hf", "vllm"] = "hf"  # hf: transformers (CPU default); vllm: GPU engine with LoRA
     workers: int = Operational(1, ge=1)  # >1: Ray actors, one policy replica each
     groups_per_shard: int = Operational(4, ge=1)  # resume granularity; also the generation batch (x G episodes)
-    ray_address: str | None = Operational(None)  # join an existing Ray cluster instead of starting a local one
     seed: int = 0  # base seed; each episode's seed derives from it, the step and its position
 
 
@@ -68,6 +71,7 @@ class RolloutWorker:
 
             torch.set_num_threads(threads)
         self.config, self.policy_id, self.task_spec = config, policy_id, task
+        adapter_dir = local_copy(adapter_dir)  # on this worker's machine: an object-store checkpoint is downloaded
         self.task = load_task(task.name, task.params)
         self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
                                        max_new_tokens=config.max_new_tokens, stop=tuple(config.stop), seed=config.seed)
@@ -77,9 +81,9 @@ class RolloutWorker:
             self.policy, self.adapter_dir = ResidentPolicy.load(base_model, config.backend), adapter_dir
             return
         if config.backend == "vllm":
-            from stages.generate import VLLMBackend
+            from stages.engine import resident_vllm
 
-            self.backend: Any = VLLMBackend(base_model)
+            self.backend: Any = resident_vllm(base_model)  # built once per process, reused step after step
             self.backend.use_adapter(policy_id, adapter_dir)
             self.tokenizer = self.backend.tokenizer
         else:
@@ -91,6 +95,12 @@ class RolloutWorker:
     def sampling_record(self) -> dict[str, Any]:
         """What `rollouts.sampling` stores."""
         return self.config.model_dump(include={"temperature", "top_p", "max_new_tokens", "max_total_tokens", "stop", "backend"})
+
+    def where(self) -> str:
+        """This actor's Ray node, pid and parent pid (stages.cluster.placement)."""
+        from stages.cluster import placement
+
+        return placement()
 
     def run_shard(self, batch_id: str, split: str, groups: list[tuple[int, Prompt]], base_seed: int) -> pa.Table:
         """Generate every sample of the given (group index, prompt) pairs; one row per episode."""
@@ -151,8 +161,12 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
         done = {f["part"] for f in ctx.ws.catalog.artifact_files(batch_id)}
         todo = [(f"groups-{sh[0][0]:05d}", sh) for sh in shards if f"groups-{sh[0][0]:05d}" not in done]
         t0 = time.perf_counter()
-        for part, table in _generate(config, base_model, adapter_dir, policy_id, task, batch_id, split, todo, base_seed):
+        placements: list[str] = []
+        for part, table in _generate(config, base_model, adapter_dir, policy_id, task, batch_id, split, todo, base_seed,
+                                     ctx.ray, placements):
             ctx.ws.write_part("rollouts", batch_id, table, part=part)
+        if placements:
+            ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.ray_workers": ",".join(placements)})
         return _metrics(ctx.ws.read_artifact(batch_id), time.perf_counter() - t0, resumed=len(shards) - len(todo))
 
     return run_stage(ctx, "rollout", "rollouts", [policy_id], stage_config, body,
@@ -160,8 +174,10 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
 
 
 def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, policy_id: str, task: TaskSpec,
-              batch_id: str, split: str, todo: list, base_seed: int):
-    """Yield (part name, table) for each shard, in completion order."""
+              batch_id: str, split: str, todo: list, base_seed: int, ray_config: RayConfig,
+              placements: list[str]):
+    """Yield (part name, table) for each shard, in completion order; with Ray actors, append where
+    each one ran to `placements`."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(todo), desc=f"rollout {batch_id}", unit="shard", file=sys.stderr, disable=not todo)
@@ -175,13 +191,12 @@ def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, p
 
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=config.ray_address, num_cpus=None if config.ray_address else config.workers,
-                 include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    connect(ray_config, num_cpus=config.workers)
     threads = max(1, (os.cpu_count() or 1) // config.workers)
     Actor = ray.remote(num_cpus=1)(RolloutWorker)
     actors = [Actor.remote(config, base_model, adapter_dir, policy_id, task, threads)
               for _ in range(min(config.workers, len(todo)))]
+    placements.extend(ray.get([a.where.remote() for a in actors]))
     pending = {actors[i % len(actors)].run_shard.remote(batch_id, split, shard, base_seed): part
                for i, (part, shard) in enumerate(todo)}
     try:

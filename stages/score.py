@@ -20,13 +20,14 @@ import gc
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from rewards.base import Outcome, RewardSpec, compute, fill_params, info, load_fn, reward_version, total_version, weighted_total
+from stages.cluster import connect
 from stages.common import CODE_VERSION, ArtifactRef, Operational, StageContext, run_stage
 from storage.ids import artifact_id, config_hash
 from storage.parquet import DataStore
@@ -75,14 +76,18 @@ def run(config: ScoreConfig, ctx: StageContext, batches: list[str]) -> ArtifactR
     stage_config = {"rewards": vers, "total": config.total}
 
     def body(set_id: str, mlflow_run_id: str) -> dict[str, float]:
-        return _score_batches(config, ctx, specs, vers, batches)
+        placements: list[str] = []
+        metrics = _score_batches(config, ctx, specs, vers, batches, placements)
+        if placements:  # where the Ray tasks ran (stages.cluster.placement)
+            ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.ray_workers": ",".join(sorted(set(placements)))})
+        return metrics
 
     return run_stage(ctx, "reward_set", "reward_set", list(batches), stage_config, body,
                      meta={"rewards": vers, "parts": {b: {n: part_id(b, n, v) for n, v in vers.items()} for b in batches}})
 
 
 def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpec], vers: dict[str, str],
-                   batches: list[str]) -> dict[str, float]:
+                   batches: list[str], placements: list[str]) -> dict[str, float]:
     """Score what is missing of every batch; batches are computed in Ray workers when `workers > 1`
     and every missing reward is per-rollout (judges keep their requests in driver threads)."""
     ws = ctx.ws
@@ -101,7 +106,7 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
         if missing or total_missing:
             todo.append(_Todo(batch_id, files[batch_id], present[batch_id], missing, total_missing))
     stats: dict[str, list[float]] = {}  # name -> [count, sum, sum of squares, errors] over all batches
-    for (batch_id, _, _, missing, total_missing), (ids, computed) in zip(todo, _outcomes_of(config, ctx, todo)):
+    for (batch_id, _, _, missing, total_missing), (ids, computed) in zip(todo, _outcomes_of(config, ctx, todo, placements)):
         for spec in missing:
             _check_errors(spec.name, computed[spec.name], config.max_error_fraction)
         parts = {s.name: computed[s.name] for s in missing}
@@ -137,12 +142,13 @@ def _slices(rows: int, workers: int) -> list[tuple[int, int] | None]:
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def _outcomes_of(config: ScoreConfig, ctx: StageContext, todo: list[_Todo]
+def _outcomes_of(config: ScoreConfig, ctx: StageContext, todo: list[_Todo], placements: list[str]
                  ) -> Iterator[tuple[list[str], dict[str, list[Outcome]]]]:
     """(rollout ids, reward name -> outcomes) per batch of `todo`, in order.
 
     With `workers` > 1 and only per-rollout rewards missing, batches (and slices of large batches)
-    are scored as Ray tasks, a few more in flight than workers so the driver writes while they compute.
+    are scored as Ray tasks (on the run's `ray:` cluster, or a local Ray), a few more in flight than
+    workers so the driver writes while they compute; each task's placement is appended to `placements`.
     """
     root = ctx.ws.data.root
     remote = config.workers > 1 and all(info(load_fn(s.fn)).kind == "rollout" for t in todo for s in t.missing)
@@ -152,15 +158,16 @@ def _outcomes_of(config: ScoreConfig, ctx: StageContext, todo: list[_Todo]
         return
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=config.workers, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    task = ray.remote(score_files)
+    connect(ctx.ray, num_cpus=config.workers)
+    task = ray.remote(_score_placed)
     units = [(i, t, rows) for i, t in enumerate(todo) for rows in _slices(t.rows, config.workers)]
     window = 2 * config.workers
     pending = [task.remote(root, t.files, t.missing, 1, rows) for _, t, rows in units[:window]]
     done: list[tuple[list[str], dict[str, list[Outcome]]]] = []
     for u, (i, t, _) in enumerate(units):
-        done.append(ray.get(pending[u]))
+        result, where = ray.get(pending[u])
+        done.append(result)
+        placements.append(where)
         pending[u] = None  # drop the reference: the object store frees the result
         if u + window < len(units):
             _, nt, rows = units[u + window]
@@ -185,6 +192,13 @@ def score_files(data_root: str, files: list[str], specs: list[RewardSpec], worke
         computed = {s.name: compute(s, rollouts, workers=workers if info(load_fn(s.fn)).kind == "group" else 1)
                     for s in specs}
         return [r.rollout_id for r in rollouts], computed
+
+
+def _score_placed(*args: Any) -> tuple[tuple[list[str], dict[str, list[Outcome]]], str]:
+    """`score_files` in a Ray task, with where it ran (stages.cluster.placement)."""
+    from stages.cluster import placement
+
+    return score_files(*args), placement()
 
 
 @contextmanager

@@ -5,6 +5,13 @@ may have several parts, e.g. one per rollout group shard). A file is written und
 temporary name, flushed and fsynced, then renamed: readers never see a partial file, and a
 crash leaves at most a `.tmp` file that no reader lists. The catalog registers a file only
 after `write` returns.
+
+The data root may be object storage (`s3://bucket/prefix`, any pyarrow filesystem URI), with the
+endpoint and credentials from the environment only (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, `AWS_DEFAULT_REGION`, or the usual AWS profile files): the URI never
+carries a secret, and the catalog records plain `s3://` paths. There a "rename" is a server-side
+copy: an object appears whole or not at all (an upload that never completes leaves nothing), and
+what readers see is still decided by the catalog, which registers only complete parts.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -19,6 +27,9 @@ import pyarrow.parquet as pq
 
 from storage.atomic import atomic_file
 from storage.schema import TABLES
+
+if TYPE_CHECKING:
+    import pyarrow.dataset
 
 
 @dataclass(frozen=True)
@@ -62,9 +73,18 @@ class DataStore:
                 pq.write_table(table, f, compression="zstd")
         else:
             tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:8]}.tmp"  # hidden and not *.parquet: no glob sees it
-            with self.fs.open_output_stream(tmp) as f:
-                pq.write_table(table, f, compression="zstd")
-            self.fs.move(tmp, final)
+            try:
+                # Closing the stream completes the upload even after an error: write to a temp key,
+                # and copy it to the final key only once the table is entirely written.
+                with self.fs.open_output_stream(tmp) as f:
+                    pq.write_table(table, f, compression="zstd")
+                self.fs.move(tmp, final)
+            except BaseException:
+                try:
+                    self.fs.delete_file(tmp)
+                except OSError:  # never created, or already moved
+                    pass
+                raise
         size = self.fs.get_file_info(final).size
         return FileInfo(path=final if self.local else f"{self.root.split('://')[0]}://{final}", rows=table.num_rows, bytes=size)
 
@@ -74,6 +94,16 @@ class DataStore:
         if not tables:
             raise ValueError("no files to read")
         return pa.concat_tables(tables)
+
+    def footer(self, path: str) -> pq.FileMetaData:
+        """A registered file's Parquet footer (raises if the file is missing or damaged)."""
+        return pq.read_metadata(self._path(path), filesystem=self.fs)
+
+    def dataset(self, paths: list[str], schema: pa.Schema) -> "pyarrow.dataset.Dataset":
+        """The given files as one pyarrow dataset with `schema` (columns a file lacks read as null)."""
+        import pyarrow.dataset as ds
+
+        return ds.dataset([self._path(p) for p in paths], schema=schema, format="parquet", filesystem=self.fs)
 
     def _path(self, path: str) -> str:
         return path.split("://", 1)[1] if "://" in path else path

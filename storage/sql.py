@@ -8,6 +8,11 @@
 `Sandbox` is the same, locked down for `rlops sql`: only SELECT/EXPLAIN statements, no file
 access outside the data root, no extension loading, locked configuration, a memory limit and
 a timeout. It cannot change anything or read anything but the workspace data.
+
+On an object-store data root (`s3://...`) the views scan pyarrow datasets registered on the
+connection: pyarrow reads the registered files with the environment's credentials, while DuckDB
+itself gets no file or network access at all (no httpfs, no allowed directories), so a query
+still reaches only the complete artifacts' files.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from storage.catalog import DDL
+from storage.parquet import DataStore
 from storage.schema import TABLES
 from storage.settings import Settings
 
@@ -50,6 +55,7 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
     """In-memory DuckDB with the workspace views and catalog tables (not locked down)."""
     con = duckdb.connect(":memory:", config=config or {})
     views = Views(con)
+    data = DataStore(settings.data_root)
     for table in DDL:
         snap = settings.snapshot_dir / f"{table}.parquet"
         if snap.exists():
@@ -66,7 +72,7 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
         readable = []
         for p in paths:
             try:
-                pq.read_metadata(p)  # footer check: a damaged file is named and left out, the rest stays queryable
+                data.footer(p)  # footer check: a damaged file is named and left out, the rest stays queryable
                 readable.append(p)
             except Exception as e:  # noqa: BLE001 - any reader error means this one file is unusable
                 views.skipped.append((p, f"{type(e).__name__}: {e}"))
@@ -75,9 +81,12 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
         con.register(f"_empty_{kind}", pa.Table.from_batches([], schema=schema))
         con.execute(f"CREATE TABLE _{kind} AS SELECT * FROM _empty_{kind}")
         con.unregister(f"_empty_{kind}")
-        if readable:
+        if readable and data.local:
             con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind} UNION ALL BY NAME "
                         f"SELECT * FROM read_parquet({_sql_list(readable)}, union_by_name=true)")
+        elif readable:  # object storage: pyarrow scans, DuckDB never opens a remote path itself
+            con.register(f"_{kind}_files", data.dataset(readable, schema))
+            con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind} UNION ALL BY NAME SELECT * FROM _{kind}_files")
         else:
             con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind}")
     return views
@@ -90,9 +99,11 @@ class Sandbox:
         self.timeout_s = timeout_s
         views = open_views(settings, config={"threads": threads})
         self.con, self.skipped = views.con, views.skipped
-        data_root = Path(settings.data_root).resolve()
+        local = "://" not in settings.data_root
+        # A local data root is read by DuckDB; a remote one only through the registered datasets.
+        allowed = [f"{Path(settings.data_root).resolve()}/"] if local else []
         for stmt in (
-            f"SET allowed_directories=['{data_root}/']",
+            f"SET allowed_directories={_sql_list(allowed)}",
             "SET enable_external_access=false",
             "SET autoinstall_known_extensions=false",
             "SET autoload_known_extensions=false",

@@ -1,0 +1,137 @@
+"""A real two-node Ray cluster on this machine, for tests and benchmarks.
+
+    with LocalRayCluster(worker_cpus=2) as cluster:      # `ray start --head` + `ray start --address=...`
+        cluster.address, cluster.env                     # for a driver: the `ray:` address, the token
+        cluster.worker_node_id, cluster.worker_pids()    # where work is expected to run
+
+Both nodes are `ray start --block` processes started here, advertising 127.0.0.1 (`--node-ip-address`
+on both: by default Ray advertises the machine's interface address), with every port chosen free
+(other Ray clusters may run on the same machine) and their own temp folder. The head has no CPUs,
+so every task and actor is placed on the worker node. Ray 2.60 enables token authentication on
+`ray start`: the cluster gets a fresh random token through `RAY_AUTH_TOKEN` (never the shared
+`~/.ray/auth_token`); drivers get it from `env`. Nodes are stopped by the process groups started
+here, never by name.
+
+Measured with Ray 2.60: the nodes advertise 127.0.0.1, but Ray rewrites a bootstrap address of
+127.0.0.1 into the machine's interface address before connecting to the head's GCS
+(`services.resolve_ip_for_localhost`), so those connections use that address; the kernel delivers
+them locally (they never leave the machine). Ray's switch to keep it on 127.0.0.1
+(`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) also forbids a second node.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from types import TracebackType
+
+RAY_BIN = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRayCluster:
+    def __init__(self, worker_cpus: int = 2, env: dict[str, str] | None = None, timeout_s: float = 180.0):
+        self.worker_cpus = worker_cpus
+        self.timeout_s = timeout_s
+        self.token = uuid.uuid4().hex
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # Short: Ray puts unix sockets under it (107-byte path limit).
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rlray-", dir="/tmp"))
+        self.env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
+                    "RAY_USAGE_STATS_ENABLED": "0"}
+        self.procs: list[subprocess.Popen] = []
+        self.worker_node_id: str | None = None
+
+    def _node_ports(self) -> list[str]:
+        args = []
+        for flag in ("--node-manager-port", "--object-manager-port", "--metrics-export-port",
+                     "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port"):
+            args += [flag, str(free_port())]
+        return args
+
+    def _start(self, args: list[str], log: str) -> subprocess.Popen:
+        out = open(self.temp_dir / log, "wb")
+        proc = subprocess.Popen([RAY_BIN, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+                                 *self._node_ports(), *args], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # own process group: stopped together, by pid
+        self.procs.append(proc)
+        return proc
+
+    def __enter__(self) -> "LocalRayCluster":
+        try:
+            self._start(["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
+                         f"--temp-dir={self.temp_dir}"], "head.log")
+            self._wait_for(lambda nodes: len(nodes) >= 1)
+            self._start([f"--address={self.address}", f"--num-cpus={self.worker_cpus}"], "worker.log")
+            nodes = self._wait_for(lambda nodes: len(nodes) >= 2)
+            self.worker_node_id = next(n["NodeID"] for n in nodes if n["Resources"].get("CPU", 0) > 0)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_for(self, ready) -> list[dict]:
+        """Poll the cluster's node list (a short-lived driver in a subprocess) until `ready(nodes)`."""
+        probe = ("import json, ray; ray.init(address='%s', log_to_driver=False); "
+                 "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % self.address)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"ray start exited with {p.returncode}: {self.logs()}")
+            try:  # a driver retries a missing GCS for a long time: bound each probe
+                res = subprocess.run([sys.executable, "-c", probe], env=self.env, capture_output=True, text=True, timeout=60)
+            except subprocess.TimeoutExpired as e:
+                res = subprocess.CompletedProcess(e.cmd, -1, "", str(e))
+            if res.returncode == 0:
+                import json
+
+                nodes = json.loads(res.stdout.strip().splitlines()[-1])
+                if ready(nodes):
+                    return nodes
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray cluster not ready after {self.timeout_s:.0f} s: {res.stderr[-2000:]}\n{self.logs()}")
+            time.sleep(1.0)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.temp_dir.glob("*.log"))
+
+    def worker_pids(self) -> set[int]:
+        """The worker node's processes: its `ray start` and every descendant (raylet, workers)."""
+        import psutil
+
+        proc = psutil.Process(self.procs[1].pid)
+        return {proc.pid, *(c.pid for c in proc.children(recursive=True))}
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):  # the worker first, then the head
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
