@@ -80,6 +80,14 @@ def _server_and_watchdog(driver: subprocess.Popen) -> tuple[psutil.Process, psut
     return server[0], watchdog[0]
 
 
+def _clean_up(driver: subprocess.Popen, *others: psutil.Process | None) -> None:
+    """Whatever a failed test left: the driver's process group, then the server and watchdog."""
+    if driver.poll() is None:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    _reap_leftovers([p for p in others if p is not None])
+
+
 def _reap_leftovers(procs: list[psutil.Process]) -> list[psutil.Process]:
     """Wait (bounded) for `procs` to exit; kill and return those still alive, so a failing test
     leaves no processes behind either."""
@@ -112,10 +120,7 @@ def test_temporary_prefect_server_exits_with_its_driver(tmp_path, moment):
             driver.wait()
         assert _reap_leftovers([server, watchdog]) == []
     finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-        _reap_leftovers([p for p in (server, watchdog) if p is not None])
+        _clean_up(driver, server, watchdog)
 
 
 def _children(client: MlflowClient, parent: str, status: str) -> list:
@@ -178,10 +183,7 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
         driver.wait()
         assert _reap_leftovers([server, watchdog]) == []
     finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-        _reap_leftovers([p for p in (server, watchdog) if p is not None])
+        _clean_up(driver, server, watchdog)
     assert held_stages  # the kill left RUNNING stage runs (the held stage, and the stage calling it if nested)
     assert {client.get_run(r).info.status for r in held_stages} == {"RUNNING"}
     gate.unlink()

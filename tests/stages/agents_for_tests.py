@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -52,3 +53,23 @@ def odd_answer_length(rollout: Rollout) -> float:
     """A reward with variance on a random tiny model's output (1 if the last message's text has an
     odd length), so a GRPO step on it has groups with signal."""
     return float(len(rollout.messages[-1].content or "") % 2)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "doc_search_openai"
+
+
+def example_pipeline_config(model_dir: Path, name: str, eval_every: int) -> dict[str, Any]:
+    """A 2-step pipeline of the OpenAI doc_search example on a tiny model. It trains on `odd_answer_length`
+    (a tiny random model answers nothing right, so `correct` would give no signal) and evaluates `correct`."""
+    return {
+        "name": name, "base_model": str(model_dir),
+        "task": {"name": "agent", "params": {"entry": f"{EXAMPLE / 'agent.py'}:rollout",
+                                             "prompts": str(EXAMPLE / "prompts.jsonl")}},
+        "steps": 2,
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "max_total_tokens": 512},
+        "score": {"rewards": [{"name": "correct", "fn": "rewards.builtin.exact_match", "params": {"mode": "contains"}},
+                              {"name": "odd", "fn": "tests.stages.agents_for_tests.odd_answer_length"}],
+                  "total": None},
+        "train_reward": "odd",
+        "eval": {"n_prompts": 2, "every": eval_every, "metric": "correct"},
+    }

@@ -15,9 +15,9 @@ from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
 from tasks.base import load_task
 from tests.scripted_model import ANSWER, scripted_model_dir  # noqa: F401
+from tests.stages.agents_for_tests import EXAMPLE, example_pipeline_config
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "doc_search_openai"
 
 
 def _prompts(path: Path, texts: list[str]) -> Path:
@@ -124,18 +124,7 @@ def test_example_agent_trains_in_a_two_step_pipeline(tmp_path, tiny_model_dir):
     from flows import pipeline
     from flows.run_config import from_dict
 
-    cfg = from_dict({
-        "name": "agent-e2e", "base_model": str(tiny_model_dir),
-        "task": {"name": "agent", "params": {"entry": f"{EXAMPLE / 'agent.py'}:rollout",
-                                             "prompts": str(EXAMPLE / "prompts.jsonl")}},
-        "steps": 2,
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "max_total_tokens": 512},
-        "score": {"rewards": [{"name": "correct", "fn": "rewards.builtin.exact_match", "params": {"mode": "contains"}},
-                              {"name": "odd", "fn": "tests.stages.agents_for_tests.odd_answer_length"}],
-                  "total": None},
-        "train_reward": "odd",
-        "eval": {"n_prompts": 2, "every": 1, "metric": "correct"},
-    })
+    cfg = from_dict(example_pipeline_config(tiny_model_dir, "agent-e2e", eval_every=1))
     ws = Workspace.open(tmp_path / "ws")
     result = pipeline.train(cfg, StageContext(ws, run_name="agent-e2e"), on_step=lambda row: None)
     assert len(result.policies) == 2 and len(result.batches) == 2
