@@ -271,11 +271,12 @@ KILLED = textwrap.dedent("""
 
     ws_dir, parent, batch, config, phase, marker = sys.argv[1:]
     if phase == "train":  # signal, then train "forever" (the id was computed from the real config)
-        train = grpo.train_on_batch
+        import stages.grpo_workers as where
+        train = where.train_on_batch
         def forever(model, optimizer, samples, advantages, config, temperature):
             Path(marker).touch()
             return train(model, optimizer, samples, advantages, config.model_copy(update={"epochs": 10**6}), temperature)
-        grpo.train_on_batch = forever
+        where.train_on_batch = forever
     else:  # "save": stop just before the temp folder is renamed to its final name
         rename = os.replace
         def stall(src, dst):
