@@ -78,7 +78,10 @@ def bench_grpo(model_name: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from stages.common import StageContext
-    from stages.grpo import GRPOConfig, Sample, add_lora, train_on_batch
+    from stages.grpo import GRPOConfig
+    from stages.grpo_data import Sample
+    from stages.grpo_train import train_on_batch
+    from stages.lora import add_lora
     from stages.grpo_workers import train
     from stages.logprobs import token_logprobs
     from stages.model import resolve_model
@@ -107,14 +110,14 @@ def bench_grpo(model_name: str) -> None:
 
     torch.set_num_threads(1)  # a control: threads that wait on each other suffer on a loaded machine
     opt1 = torch.optim.AdamW([p for p in control.parameters() if p.requires_grad], lr=config.lr)
-    (single,) = train_on_batch(control, opt1, samples, advantages, config)
+    (single,) = train_on_batch(control, opt1, samples, advantages, config, temperature=1.0)
     print(f"grpo update, 1 worker (in process), 1 thread: {single['tokens'] / single['tokens_per_s']:.1f} s, "
           f"{single['tokens_per_s']:.1f} trained tok/s", flush=True)
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
     torch.set_num_threads(os.cpu_count() or 1)  # one worker gets every core; two DDP workers get one each
     start = time.perf_counter()
-    (one,) = train_on_batch(model, opt, samples, advantages, config)
+    (one,) = train_on_batch(model, opt, samples, advantages, config, temperature=1.0)
     wall_one = time.perf_counter() - start
     print(f"grpo update, 1 worker (in process), {torch.get_num_threads()} threads: {wall_one:.1f} s wall, "
           f"{one['tokens']:.0f} tokens, {one['tokens_per_s']:.1f} trained tok/s", flush=True)
@@ -122,7 +125,7 @@ def bench_grpo(model_name: str) -> None:
     opt2 = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=config.lr)
     ctx = StageContext(Workspace.open(Path(tempfile.mkdtemp()) / "ws"))
     start = time.perf_counter()
-    (two,) = train(twin, opt2, samples, advantages, config.model_copy(update={"workers": 2}), ctx=ctx,
+    (two,) = train(twin, opt2, samples, advantages, config.model_copy(update={"workers": 2}), temperature=1.0, ctx=ctx,
                    base_model=model_name)
     wall_two = time.perf_counter() - start
     ray.shutdown()
