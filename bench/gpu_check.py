@@ -27,7 +27,8 @@ def logprob_agreement(ws, batch_id: str, temperature: float) -> tuple[float, flo
     import torch
 
     from stages.common import resolve_policy
-    from stages.grpo import GRPOConfig, _load_trainable
+    from stages.grpo import GRPOConfig
+    from stages.grpo_train import _load_trainable
     from stages.logprobs import token_logprobs
     from storage.checkpoints import local_copy
     from storage.schema import Rollout, from_table
