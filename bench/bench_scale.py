@@ -54,7 +54,8 @@ def bench_rollout(model: str) -> None:
         # loaded machine); two actors with one thread each.
         for workers, threads in ((1, 2), (1, 1), (2, 1)):
             start = time.perf_counter()
-            actors = [Actor.remote(config, model, None, "base", task, threads) for _ in range(workers)]
+            actors = [Actor.remote(config, model, task, threads) for _ in range(workers)]
+            ray.get([a.prepare.remote(config, "base", None) for a in actors])
             nodes = ray.get([a.where.remote() for a in actors])
             assert all(n.split(":")[0] == cluster.worker_node_id for n in nodes)
             startup = time.perf_counter() - start

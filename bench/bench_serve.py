@@ -55,7 +55,9 @@ def main() -> None:
     }
     prompts = load_task("doc_search").prompts("train")[: args.prompts]
     groups = list(enumerate(prompts))
-    workers = {label: RolloutWorker(config, base, None, "base", spec) for label, spec in tasks.items()}
+    workers = {label: RolloutWorker(config, base, spec) for label, spec in tasks.items()}
+    for worker in workers.values():
+        worker.prepare(config, "base", None)
 
     totals = {label: [0.0, 0, 0, 0] for label in tasks}  # seconds, sampled tokens, episodes, turns
     for r in range(args.rounds):

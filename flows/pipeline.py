@@ -11,7 +11,9 @@ state, and survives a lost Prefect database.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +21,7 @@ from flows.run_config import RunConfig
 from stages import evaluate, grpo, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
 from stages.reward_ref import RewardRef
+from stages.session import PolicySession
 
 Call = Callable[..., ArtifactRef]
 # What the per-step summary shows of the GRPO stage's metrics (besides the step's reward mean).
@@ -67,14 +70,35 @@ def _print_step(row: dict[str, Any]) -> None:
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), file=sys.stderr)
 
 
+@contextmanager
+def resident(ctx: StageContext, enabled: bool = True) -> Iterator[StageContext]:
+    """`ctx` with a resident policy (stages/session.py) for the block: the models the stages load stay
+    in memory between stage calls and are released at the end. `enabled=False`, or a context that
+    already has a session, gives `ctx` unchanged."""
+    if not enabled or ctx.session is not None:
+        yield ctx
+        return
+    with PolicySession() as session:
+        yield replace(ctx, session=session)
+
+
 def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: str | None = None,
-          start_step: int = 0, on_step: Callable[[dict[str, Any]], None] = _print_step) -> TrainResult:
+          start_step: int = 0, on_step: Callable[[dict[str, Any]], None] = _print_step,
+          keep_resident: bool = True) -> TrainResult:
     """Run (or resume) the pipeline; returns the lineage and the eval metrics per evaluated policy.
 
     `start_policy`/`start_step` continue an existing lineage (scheduled runs) instead of starting
     from the base model (and skip the warm-start). `on_step` receives one summary row per step and
-    per evaluation (Prefect flows turn them into artifacts).
+    per evaluation (Prefect flows turn them into artifacts). `keep_resident` keeps one policy in
+    memory for the whole run (`resident`); off, every stage loads its model from files, as
+    `rlops stage` does. Artifact ids and results are the same either way.
     """
+    with resident(ctx, keep_resident) as ctx:
+        return _train(cfg, ctx, call, start_policy, start_step, on_step)
+
+
+def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | None, start_step: int,
+           on_step: Callable[[dict[str, Any]], None]) -> TrainResult:
     ws = ctx.ws
     base = base_policy(ws, cfg.base_model)
     policy, sft_policy = start_policy or base, None
@@ -95,14 +119,18 @@ def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: 
         batch = call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, policy_id=policy, task=cfg.task, split="train",
                      step=step, prompt_ids=fresh)
         scored = call(f"score-{step}", score.run, cfg.score, ctx, batches=[batch.id])
-        policy = call(f"grpo-{step}", grpo.run, cfg.grpo, ctx, parent_policy=policy, batches=[batch.id],
+        batches = [batch.id]
+        if cfg.dynamic_sampling.enabled:
+            batches += more_batches(cfg, ctx, call, policy, step, reward, batch.id)
+        policy = call(f"grpo-{step}", grpo.run, cfg.grpo, ctx, parent_policy=policy, batches=batches,
                       reward=reward).id
-        result.batches.append(batch.id)
+        result.batches.extend(batches)
         result.policies.append(policy)
         metrics = ws.catalog.get_artifact(scored.id)["meta"]["metrics"]
         trained = ws.catalog.get_artifact(policy)["meta"]["metrics"]
         on_step({"step": step, "batch": batch.id, "policy": policy,
                  "reward_mean": metrics.get(f"{reward.name}.mean", float("nan")),
+                 **({"batches": len(batches)} if cfg.dynamic_sampling.enabled else {}),
                  **{k: trained[k] for k in STEP_FIELDS if k in trained}})
         last = step == start_step + cfg.steps - 1
         if (step - start_step + 1) % cfg.eval.every == 0 or last:
@@ -110,6 +138,32 @@ def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: 
             on_step({"eval": policy, **result.evals[policy]})
     result.final = policy
     return result
+
+
+def more_batches(cfg: RunConfig, ctx: StageContext, call: Call, policy: str, step: int, reward: RewardRef,
+                 first: str) -> list[str]:
+    """Dynamic sampling (`cfg.dynamic_sampling`): extra scored rollout batches of `step` on other train
+    prompts until the step's batches hold `min_groups` informative groups (rewards not all equal) or
+    `max_batches` batches exist. Deterministic: extra batch k draws its prompts by a shuffle seeded with
+    the rollout seed, the step and k, so a rerun makes (finds) the same batches."""
+    import random
+
+    from stages.grpo_data import informative_groups
+    from tasks.base import load_task
+
+    ds, n = cfg.dynamic_sampling, cfg.rollout.prompts_per_step
+    wanted = ds.min_groups or n
+    prompts = [p.prompt_id for p in load_task(cfg.task.name, cfg.task.params).prompts("train")]
+    batches: list[str] = []
+    for k in range(1, ds.max_batches):
+        if informative_groups(ctx.ws, [first, *batches], reward) >= wanted:
+            break
+        drawn = random.Random(f"dynamic-sampling:{cfg.rollout.seed}:{step}:{k}").sample(prompts, min(n, len(prompts)))
+        extra = call(f"rollout-{step}-more{k}", rollout.run, cfg.rollout, ctx, policy_id=policy, task=cfg.task,
+                     split="train", step=step, prompt_ids=drawn)
+        call(f"score-{step}-more{k}", score.run, cfg.score, ctx, batches=[extra.id])
+        batches.append(extra.id)
+    return batches
 
 
 def unseen_prompts(cfg: RunConfig, ctx: StageContext, n: int) -> list[str] | None:
@@ -135,20 +189,31 @@ def retrain(cfg: RunConfig, ctx: StageContext, from_policy: str, run_name: str, 
     no generation; a new lineage branch trained on the config's current reward version."""
     policy, lineage = from_policy, []
     reward = RewardRef.configured(cfg.score, cfg.reward_name)
-    for i, batch in enumerate(run_batches(ctx, run_name)):
-        call(f"rescore-{i}", score.run, cfg.score, ctx, batches=[batch])  # a no-op when already rescored
-        policy = call(f"retrain-{i}", grpo.run, cfg.grpo, ctx, parent_policy=policy, batches=[batch], reward=reward).id
-        lineage.append(policy)
+    with resident(ctx) as ctx:  # one model for every update of the replay
+        for i, batches in enumerate(step_batches(ctx, run_name)):
+            for batch in batches:  # a no-op when already rescored
+                call(f"rescore-{i}", score.run, cfg.score, ctx, batches=[batch])
+            policy = call(f"retrain-{i}", grpo.run, cfg.grpo, ctx, parent_policy=policy, batches=batches, reward=reward).id
+            lineage.append(policy)
     return lineage
 
 
 def run_batches(ctx: StageContext, run_name: str) -> list[str]:
     """The training rollout batches of a run, in step order."""
+    return [b for batches in step_batches(ctx, run_name) for b in batches]
+
+
+def step_batches(ctx: StageContext, run_name: str) -> list[list[str]]:
+    """The training rollout batches of a run, grouped by step (several with dynamic sampling), in step order."""
     rows = ctx.ws.query(
-        "SELECT a.artifact_id FROM artifacts a JOIN stage_runs s ON s.artifact_id = a.artifact_id "
+        "SELECT a.artifact_id, CAST(a.meta->>'step' AS INTEGER) AS step FROM artifacts a "
+        "JOIN stage_runs s ON s.artifact_id = a.artifact_id "
         "WHERE a.kind = 'rollouts' AND s.stage = 'rollout' AND s.run_name = ? AND a.meta->>'split' = 'train' "
         "GROUP BY a.artifact_id, a.meta ORDER BY CAST(a.meta->>'step' AS INTEGER), min(a.completed_at)", [run_name]
     ).to_pylist()
     if not rows:
         raise KeyError(f"run {run_name!r} has no training rollout batches in this workspace")
-    return [r["artifact_id"] for r in rows]
+    steps: dict[int, list[str]] = {}
+    for r in rows:
+        steps.setdefault(r["step"], []).append(r["artifact_id"])
+    return list(steps.values())

@@ -24,7 +24,7 @@ from stages.checkpoints import Checkpoint, write_checkpoint
 from stages.common import ArtifactRef, Operational, StageContext, identity, resolve_policy, run_stage
 from stages.grpo_data import read_training_data
 from stages import grpo_workers
-from stages.grpo_train import load_for_update, save_update
+from stages.grpo_train import load_for_update, make_optimizer, save_update
 from stages.lora import LoRASettings
 from stages.reward_ref import RewardRef
 from storage.checkpoints import local_copy
@@ -78,7 +78,13 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
         data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline)
         base_model, adapter_uri = resolve_policy(ctx.ws, parent_policy)
         # an object-store checkpoint is downloaded once per machine
-        model, optimizer = load_for_update(base_model, local_copy(adapter_uri), config)
+        adapter_dir = local_copy(adapter_uri)
+        resident = None
+        if ctx.session is None:
+            model, optimizer = load_for_update(base_model, adapter_dir, config)
+        else:  # the run's resident model, holding the parent's adapter (stages/session.py)
+            resident = ctx.session.for_update(base_model, parent_policy, adapter_dir, config.lora)
+            model, optimizer = resident.model, make_optimizer(resident.model, adapter_dir, config)
 
         history = grpo_workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
                                      ctx=ctx, base_model=base_model)
@@ -99,6 +105,8 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
                                          config_hash=config_hash(identity(config)), mlflow_run_id=mlflow_run_id,
                                          trained_on=trained_on),
                          save=lambda folder: save_update(folder, model, optimizer, state))
+        if resident is not None:  # the next rollout uses these weights straight from memory
+            ctx.session.updated(resident, policy_id)
         return metrics
 
     # The reward enters the id through `version`, keeping `inputs` a list of artifact ids.

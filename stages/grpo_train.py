@@ -193,9 +193,14 @@ def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings
 def load_for_update(base_model: str, adapter_dir: str | None, config: GRPOConfig) -> tuple[Any, Any]:
     """The trainable policy (a fresh `config.lora` adapter on a bare base model) and its AdamW optimizer,
     continuing the parent step's Adam moments when the parent saved them."""
+    model = _load_trainable(base_model, adapter_dir, config.lora)
+    return model, make_optimizer(model, adapter_dir, config)
+
+
+def make_optimizer(model: Any, adapter_dir: str | None, config: GRPOConfig) -> Any:
+    """AdamW over `model`'s trainable weights, continuing the Adam moments saved in `adapter_dir` (if any)."""
     import torch
 
-    model = _load_trainable(base_model, adapter_dir, config.lora)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=config.lr, weight_decay=config.weight_decay)
     parent_opt = Path(adapter_dir) / "optimizer.pt" if adapter_dir else None
@@ -203,7 +208,7 @@ def load_for_update(base_model: str, adapter_dir: str | None, config: GRPOConfig
         optimizer.load_state_dict(torch.load(parent_opt, map_location="cpu", weights_only=True))
         for group in optimizer.param_groups:  # the saved state carries the parent's lr; this config wins
             group.update(lr=config.lr, weight_decay=config.weight_decay)
-    return model, optimizer
+    return optimizer
 
 
 def save_update(folder: Path, model: Any, optimizer: Any, state: dict[str, Any]) -> None:

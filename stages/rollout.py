@@ -17,14 +17,16 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.cluster import RayConfig, connect
+from stages.cluster import connect
 from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
+from stages.session import PolicySession
 from storage.checkpoints import local_copy
 from storage.schema import Rollout, to_table
 from tasks.base import Prompt, content_digest, load_task
@@ -60,41 +62,79 @@ def select_prompts(prompts: list[Prompt], n: int, step: int) -> list[Prompt]:
 
 
 class RolloutWorker:
-    """One policy replica that turns shards of groups into Arrow tables (in-process or as a Ray actor)."""
+    """One policy replica that turns shards of groups into Arrow tables (in-process or as a Ray actor).
 
-    def __init__(self, config: RolloutConfig, base_model: str, adapter_dir: str | None, policy_id: str,
-                 task: TaskSpec, threads: int | None = None):
-        from stages.generate import HFBackend, SamplingConfig
+    Built once per (base model, task, backend); `prepare` points it at a policy and a rollout config
+    before each batch. With a `session` (stages.session) the base model stays resident across batches
+    and only LoRA weights change; without one, `prepare` loads base + adapter from files.
+    """
 
+    def __init__(self, config: RolloutConfig, base_model: str, task: TaskSpec, threads: int | None = None,
+                 session: Any = None):
         if threads:
             import torch
 
             torch.set_num_threads(threads)
-        self.config, self.policy_id, self.task_spec = config, policy_id, task
-        adapter_dir = local_copy(adapter_dir)  # on this worker's machine: an object-store checkpoint is downloaded
+        self.base_model, self.task_spec, self.session = base_model, task, session
         self.task = load_task(task.name, task.params)
-        self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
-                                       max_new_tokens=config.max_new_tokens, stop=tuple(config.stop), seed=config.seed)
+        self.policy_id: str | None = None
+        self.adapter_dir: str | None = None
+        self.backend: Any = None
+        self.prepare_config(config)
         if self.task.agent is not None:  # an external agent: its episodes go through the policy service
             from stages.resident import ResidentPolicy
 
-            self.policy, self.adapter_dir = ResidentPolicy.load(base_model, config.backend), adapter_dir
-            return
-        if config.backend == "vllm":
+            self.policy = ResidentPolicy.load(base_model, config.backend)  # one per worker; adapters by folder
+        elif config.backend == "vllm":
             from stages.engine import resident_vllm
 
-            self.backend: Any = resident_vllm(base_model)  # built once per process, reused step after step
-            self.backend.use_adapter(policy_id, adapter_dir)
+            self.backend = resident_vllm(base_model)  # built once per process, reused step after step
             self.tokenizer = self.backend.tokenizer
-        else:
+
+    def prepare_config(self, config: RolloutConfig) -> None:
+        from stages.generate import SamplingConfig
+
+        self.config = config
+        self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
+                                       max_new_tokens=config.max_new_tokens, stop=tuple(config.stop), seed=config.seed)
+
+    def prepare(self, config: RolloutConfig, policy_id: str, adapter_dir: str | None, trained: Any = None) -> None:
+        """Generate the next shards with `policy_id` (its adapter folder; `trained`: its LoRA weights when
+        the driver's session holds them, so a resident actor needs no file) under `config`."""
+        self.prepare_config(config)
+        self.policy_id = policy_id
+        self.adapter_dir = local_copy(adapter_dir)  # on this worker's machine: an object-store checkpoint is downloaded
+        if self.session is not None and trained is not None:
+            self.session.trained[policy_id] = trained
+        if self.task.agent is not None:
+            return
+        if config.backend == "vllm":
+            self.backend.use_adapter(policy_id, self.adapter_dir)
+        elif self.session is None:
+            from stages.generate import HFBackend
             from stages.policy import load_policy
 
-            model, self.tokenizer = load_policy(base_model, adapter_dir)
+            self.backend = None  # the previous policy's model can go before the next one loads
+            model, self.tokenizer = load_policy(self.base_model, self.adapter_dir)
             self.backend = HFBackend(model, self.tokenizer)
+
+    def _generation(self) -> tuple[Any, Any]:
+        """(backend, context to generate in) for the prepared policy."""
+        if self.session is None or self.config.backend == "vllm":
+            return self.backend, nullcontext()
+        from stages.generate import HFBackend
+
+        resident, context = self.session.generation(self.base_model, self.policy_id, self.adapter_dir)
+        self.tokenizer = resident.tokenizer
+        return HFBackend(resident.model, resident.tokenizer), context
 
     def sampling_record(self) -> dict[str, Any]:
         """What `rollouts.sampling` stores."""
         return self.config.model_dump(include={"temperature", "top_p", "max_new_tokens", "max_total_tokens", "stop", "backend"})
+
+    def session_stats(self) -> dict[str, int]:
+        """This worker's resident-model counts (`PolicySession.stats`); empty without a session."""
+        return self.session.stats() if self.session is not None else {}
 
     def where(self) -> str:
         """This actor's Ray node, pid and parent pid (stages.cluster.placement)."""
@@ -112,8 +152,10 @@ class RolloutWorker:
 
         G = self.config.group_size
         specs = [EpisodeSpec(p, base_seed + gi * G + s) for gi, p in groups for s in range(G)]
-        episodes = run_episodes(self.backend, self.tokenizer, self.task, specs, self.sampling,
-                                max_total_tokens=self.config.max_total_tokens, tool_timeout=self.config.tool_timeout)
+        backend, context = self._generation()
+        with context:
+            episodes = run_episodes(backend, self.tokenizer, self.task, specs, self.sampling,
+                                    max_total_tokens=self.config.max_total_tokens, tool_timeout=self.config.tool_timeout)
         sampling = self.sampling_record()
         rows = []
         for (gi, prompt), s_eps in zip(groups, _chunks(list(zip(specs, episodes)), G)):
@@ -163,7 +205,7 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
         t0 = time.perf_counter()
         placements: list[str] = []
         for part, table in _generate(config, base_model, adapter_dir, policy_id, task, batch_id, split, todo, base_seed,
-                                     ctx.ray, placements):
+                                     ctx, placements):
             ctx.ws.write_part("rollouts", batch_id, table, part=part)
         if placements:
             ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.ray_workers": ",".join(placements)})
@@ -174,15 +216,23 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
 
 
 def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, policy_id: str, task: TaskSpec,
-              batch_id: str, split: str, todo: list, base_seed: int, ray_config: RayConfig,
-              placements: list[str]):
+              batch_id: str, split: str, todo: list, base_seed: int, ctx: StageContext, placements: list[str]):
     """Yield (part name, table) for each shard, in completion order; with Ray actors, append where
     each one ran to `placements`."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(todo), desc=f"rollout {batch_id}", unit="shard", file=sys.stderr, disable=not todo)
+    if not todo:
+        return
+    session = ctx.session
+    trained = session.trained.get(policy_id) if session is not None else None
+    bar = tqdm(total=len(todo), desc=f"rollout {batch_id}", unit="shard", file=sys.stderr)
     if config.workers == 1 or len(todo) <= 1:
-        worker = RolloutWorker(config, base_model, adapter_dir, policy_id, task) if todo else None
+        key = ("rollout-worker", base_model, task.model_dump_json(), config.backend)
+        if session is None:
+            worker = RolloutWorker(config, base_model, task)
+        else:
+            worker = session.keep(key, lambda: RolloutWorker(config, base_model, task, session=session))
+        worker.prepare(config, policy_id, adapter_dir)
         for part, shard in todo:
             yield part, worker.run_shard(batch_id, split, shard, base_seed)
             bar.update()
@@ -191,11 +241,8 @@ def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, p
 
     import ray
 
-    connect(ray_config, num_cpus=config.workers)
-    threads = max(1, (os.cpu_count() or 1) // config.workers)
-    Actor = ray.remote(num_cpus=1)(RolloutWorker)
-    actors = [Actor.remote(config, base_model, adapter_dir, policy_id, task, threads)
-              for _ in range(min(config.workers, len(todo)))]
+    actors = _actors(config, base_model, task, ctx, n=min(config.workers, len(todo)))
+    ray.get([a.prepare.remote(config, policy_id, adapter_dir, trained) for a in actors])
     placements.extend(ray.get([a.where.remote() for a in actors]))
     pending = {actors[i % len(actors)].run_shard.remote(batch_id, split, shard, base_seed): part
                for i, (part, shard) in enumerate(todo)}
@@ -207,8 +254,33 @@ def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, p
             bar.update()
     finally:
         bar.close()
-        for a in actors:
-            ray.kill(a)
+        if session is None:
+            for a in actors:
+                ray.kill(a)
+
+
+def _actors(config: RolloutConfig, base_model: str, task: TaskSpec, ctx: StageContext, n: int) -> list[Any]:
+    """`n` rollout actors: new ones (killed after the batch) without a session; with one, the session's
+    pool, started on first use, each with its own resident model, and stopped when the session closes."""
+    import ray
+
+    def start(count: int, resident: bool) -> list[Any]:
+        connect(ctx.ray, num_cpus=config.workers)
+        threads = max(1, (os.cpu_count() or 1) // config.workers)
+        actor = ray.remote(num_cpus=1)(RolloutWorker)
+        return [actor.remote(config, base_model, task, threads, PolicySession() if resident else None)
+                for _ in range(count)]
+
+    if ctx.session is None:
+        return start(n, resident=False)
+
+    def pool() -> list[Any]:
+        started = start(config.workers, resident=True)
+        ctx.session.on_close(lambda: [ray.kill(a) for a in started])
+        return started
+
+    return ctx.session.keep(("rollout-actors", base_model, task.model_dump_json(), config.backend, config.workers),
+                            pool)[:n]
 
 
 def _metrics(table: pa.Table, seconds: float, resumed: int) -> dict[str, float]:
