@@ -129,9 +129,12 @@ class _LogprobRecorder:
 class HFBackend:
     """Batched sampling with `transformers`' `generate` (left padding, seeded, CPU or GPU)."""
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, share_prompts: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        # Identical prompts in a batch (the G samples of a group, on their first turn) are prefilled once
+        # and their key/value cache copied to every row that shares them (`_shared_prefill`).
+        self.share_prompts = share_prompts
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 
@@ -172,12 +175,32 @@ class HFBackend:
         # fork_rng: seed without disturbing the caller's global RNG state.
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(sampling.seed if seed is None else seed)
-            sequences = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
-            )  # (B, P + n)
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            if self.share_prompts:
+                kwargs.update(self._shared_prefill(prompt_token_ids, input_ids, attention_mask))
+            sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)  # (B, P + n)
             new = sequences[:, width:]  # (B, n)
             logprobs = recorder.finish(new[:, -1])  # (B, n)
         return [self._sample(ids, lps, sampling) for ids, lps in zip(new.tolist(), logprobs.tolist())]
+
+    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
+        """When rows repeat a prompt: run the distinct prompts (all but their last token) once and give
+        every row a copy of its prompt's key/value cache (`past_key_values` for `generate`, which then
+        runs only the last prompt token per row). Nothing (an empty dict) when every prompt is distinct."""
+        import torch
+
+        first: dict[tuple[int, ...], int] = {}
+        rows = [first.setdefault(tuple(ids), i) for i, ids in enumerate(prompts)]
+        if len(first) == len(prompts) or input_ids.shape[1] < 2:
+            return {}
+        distinct = torch.tensor(sorted(first.values()), device=input_ids.device)  # (U,) first row of each prompt
+        slot = {row: k for k, row in enumerate(distinct.tolist())}
+        ids, mask = input_ids[distinct, :-1], attention_mask[distinct, :-1]  # (U, P-1)
+        # Left padding: positions count real tokens only, as generate computes them from the mask.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values
+        cache.batch_select_indices(torch.tensor([slot[r] for r in rows], device=input_ids.device))  # (B, ...)
+        return {"past_key_values": cache}
 
     def _sample(self, ids: list[int], lps: list[float], sampling: SamplingConfig) -> Sample:
         """Cut one generated row where it really ended (EOS, stop string, or max length); the rest
