@@ -38,6 +38,19 @@ class EvalSection(EvalConfig):
     every: int = Operational(5, ge=1)  # evaluate every k GRPO steps (and at the start and end)
 
 
+class DynamicSampling(BaseModel):
+    """DAPO's dynamic sampling (arXiv 2503.14476): when a step's groups come back with all-equal rewards
+    (no signal), generate more groups on other train prompts until `min_groups` informative groups are
+    in hand or `max_batches` rollout batches were made; the update then trains on all of them. Each
+    extra batch is an ordinary rollout batch of the step (its prompts drawn by a seeded shuffle), so
+    the GRPO checkpoint's id names every batch it trained on."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    min_groups: int | None = Field(None, ge=1)  # informative groups wanted per step; None: rollout.prompts_per_step
+    max_batches: int = Field(4, ge=1)  # rollout batches per step at most, the first one included
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")  # the run's name: reruns and schedules continue its lineage
@@ -49,6 +62,7 @@ class RunConfig(BaseModel):
     score: ScoreConfig
     train_reward: str | None = None  # reward name GRPO optimises; None = score.total
     grpo: GRPOConfig = GRPOConfig()
+    dynamic_sampling: DynamicSampling = DynamicSampling()  # more groups when a step's are uninformative
     eval: EvalSection = EvalSection()
     # Checkpoints logged to MLflow as models (adapter files + lineage tags): the final one, or every
     # one (SFT and each GRPO step; ~1 adapter's size per step in mlartifacts/).

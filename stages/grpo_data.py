@@ -107,3 +107,14 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str) -> Trai
 def read_training_data(ws: Workspace, batches: list[str], reward: RewardRef, scale: str, baseline: str) -> TrainingData:
     """`training_data` over the scored rollouts of `batches` (reward must carry its version)."""
     return training_data(read_scored(ws, batches, reward), scale, baseline)
+
+
+def informative_groups(ws: Workspace, batches: list[str], reward: RewardRef) -> int:
+    """Groups of the batches whose scored `reward` values are not all equal: the ones GRPO learns from
+    (the others get advantage 0; null rewards are left out, as in `training_data`)."""
+    values: dict[str, set[float]] = {}
+    for r in read_scored(ws, batches, reward):
+        if r["value"] is not None:
+            values.setdefault(r["group_id"], set()).add(r["value"])
+    return sum(len(v) > 1 for v in values.values())
+
