@@ -62,12 +62,16 @@ TILE_TOKENS, TILE_VOCAB = 512, 8192
 TRL_TILE_KNOBS = [("trl.kernels.chunked_logprob", "TOKEN_CHUNK_SIZE", TILE_TOKENS),
                   ("trl.trainer.utils", "_CHUNKED_LOGPROB_CHUNK_SIZE", TILE_VOCAB)]
 
-SHORT = {"trl": "TRL", "trl-tile": "TRL-tile", "rlops": "rlops"}
+SHORT = {"trl": "TRL", "trl-tile": "TRL-tile", "rlops": "rlops", "rlops-equal": "rlops-equal",
+         "rlops-files": "rlops-files"}
 LABELS = {
     "trl": "TRL GRPOTrainer (defaults)",
     "trl-tile": f"TRL GRPOTrainer (tile {TILE_TOKENS} tokens x {TILE_VOCAB} vocab)",
-    "rlops": "rlops rollout+score+grpo (persisted)",
+    "rlops": "rlops rollout+score+grpo (persisted, resident policy, defaults)",
+    "rlops-equal": "rlops, equal work (resident, skip_zero_variance off: updates on all 32 completions)",
+    "rlops-files": "rlops, every stage loading its model from files (before the resident policy)",
 }
+RLOPS_SIDES = ("rlops", "rlops-equal", "rlops-files")
 
 
 # ---------------------------------------------------------------- children (one side each)
@@ -184,11 +188,30 @@ def run_trl(args: argparse.Namespace, tile: bool) -> dict[str, Any]:
     }
 
 
-def run_rlops(args: argparse.Namespace) -> dict[str, Any]:
+def _timed(owner: Any, name: str, spent: list[float]) -> None:
+    """Wrap `owner.name` so that the seconds spent in it are added to spent[0]."""
+    fn = getattr(owner, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    setattr(owner, name, timed)
+
+
+def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     # What a pipeline process has imported before its first step (the TRL side too, before its timer).
     import peft  # noqa: F401
     import torch
     import transformers  # noqa: F401
+
+    import stages.grpo_train
+    import stages.policy
+    import stages.session
+    from flows.pipeline import resident
 
     from rewards.base import RewardSpec
     from stages import grpo, rollout, score
@@ -206,35 +229,47 @@ def run_rlops(args: argparse.Namespace) -> dict[str, Any]:
                                 mlflow_artifacts=str(root / "mlartifacts")))
         ws.tracker  # the MLflow database is created once per workspace, not per step
         ctx = StageContext(ws, run_name="bench")
+        # Model loading: base (+ adapter) for generation, for the update, and adapter weight copies.
+        loading = [0.0]
+        _timed(stages.policy, "load_policy", loading)
+        _timed(stages.grpo_train, "_load_trainable", loading)
+        _timed(stages.session.ResidentModel, "_load", loading)
+        _timed(stages.session.ResidentModel, "fresh", loading)
         task = rollout.TaskSpec(name=TASK_NAME, params=TASK_PARAMS)
         rollout_cfg = rollout.RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=args.max_new_tokens,
                                             temperature=TEMPERATURE, groups_per_shard=PROMPTS)
         score_cfg = score.ScoreConfig(rewards=[RewardSpec(name="correct", fn="rewards.builtin.numeric_match")])
-        grpo_cfg = grpo.GRPOConfig(lr=LR, micro_batch_size=MICRO_BATCH,
+        grpo_cfg = grpo.GRPOConfig(lr=LR, micro_batch_size=MICRO_BATCH, skip_zero_variance=variant != "rlops-equal",
                                    lora=LoRASettings(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, target_modules=LORA_TARGETS))
         reward = RewardRef.configured(score_cfg, "total")
         policy = base_policy(ws, MODEL)
-        seconds, rewards, lengths, zero_std = [], [], [], []
-        for step in range(args.steps):
-            t0 = time.perf_counter()
-            batch = rollout.run(rollout_cfg, ctx, policy_id=policy, task=task, split="train", step=step)
-            scored = score.run(score_cfg, ctx, batches=[batch.id])
-            policy = grpo.run(grpo_cfg, ctx, parent_policy=policy, batches=[batch.id], reward=reward).id
-            seconds.append(time.perf_counter() - t0)
-            gen = ws.catalog.get_artifact(batch.id)["meta"]["metrics"]
-            rewards.append(ws.catalog.get_artifact(scored.id)["meta"]["metrics"].get("total.mean"))
-            lengths.append(gen["sampled_tokens"] / gen["rollouts"])
-            zero_std.append(ws.catalog.get_artifact(policy)["meta"]["metrics"].get("frac_zero_variance_groups"))
-            print(f"rlops step {step}: {seconds[-1]:.2f} s, reward {rewards[-1]}, policy {policy}", file=sys.stderr)
+        seconds, rewards, lengths, zero_std, load_s = [], [], [], [], []
+        with resident(ctx, enabled=variant != "rlops-files") as ctx:
+            for step in range(args.steps):
+                loading[0] = 0.0
+                t0 = time.perf_counter()
+                batch = rollout.run(rollout_cfg, ctx, policy_id=policy, task=task, split="train", step=step)
+                scored = score.run(score_cfg, ctx, batches=[batch.id])
+                policy = grpo.run(grpo_cfg, ctx, parent_policy=policy, batches=[batch.id], reward=reward).id
+                seconds.append(time.perf_counter() - t0)
+                load_s.append(loading[0])
+                gen = ws.catalog.get_artifact(batch.id)["meta"]["metrics"]
+                rewards.append(ws.catalog.get_artifact(scored.id)["meta"]["metrics"].get("total.mean"))
+                lengths.append(gen["sampled_tokens"] / gen["rollouts"])
+                zero_std.append(ws.catalog.get_artifact(policy)["meta"]["metrics"].get("frac_zero_variance_groups"))
+                print(f"rlops step {step}: {seconds[-1]:.2f} s ({load_s[-1]:.2f} s loading models), reward {rewards[-1]}, "
+                      f"policy {policy}", file=sys.stderr)
+        share = sum(load_s[1:]) / sum(seconds[1:]) if len(seconds) > 1 else load_s[0] / seconds[0]
         return {"seconds": seconds, "reward_mean": rewards, "completion_tokens_mean": lengths,
-                "zero_std_frac": zero_std, "threads": torch.get_num_threads(), "notes": {}}
+                "zero_std_frac": zero_std, "threads": torch.get_num_threads(),
+                "notes": {"model_loading_s_per_step": fmt(load_s, 2), "model_loading_share": f"{share:.1%}"}}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
 def child_main(args: argparse.Namespace) -> None:
-    if args.child == "rlops":
-        result = run_rlops(args)
+    if args.child in RLOPS_SIDES:
+        result = run_rlops(args, args.child)
     else:
         result = run_trl(args, tile=args.child == "trl-tile")
     Path(args.result).write_text(json.dumps(result))
@@ -307,11 +342,16 @@ def report(results: dict[str, dict[str, Any]]) -> None:
               f"{fmt(r['completion_tokens_mean'], 1)}, zero-variance group fraction per step "
               f"{fmt(r.get('zero_std_frac', []), 2)}, torch threads {r.get('threads')}, process wall "
               f"{r['wall_s']:.1f} s" + (f"; {notes}" if notes else ""))
-    if "rlops" in medians:
+    rss = {child: r["peak_rss_mib"] for child, r in results.items() if child in medians}
+    for side in RLOPS_SIDES:
+        if side not in medians:
+            continue
         for child in ("trl", "trl-tile"):
             if child in medians:
-                ratio = medians[child] / medians["rlops"]
-                print(f"ratio {SHORT[child]}/rlops: {ratio:.2f} (>1 means rlops is faster)")
+                print(f"ratio {SHORT[child]}/{SHORT[side]}: {medians[child] / medians[side]:.2f} (>1 means rlops is faster); "
+                      f"peak RSS {SHORT[side]}/{SHORT[child]}: {rss[side] / rss[child]:.2f}")
+    if "rlops" in medians and "rlops-files" in medians:
+        print(f"ratio rlops-files/rlops (what the resident policy saves): {medians['rlops-files'] / medians['rlops']:.2f}")
 
 
 def main() -> None:
@@ -323,6 +363,8 @@ def main() -> None:
                     help=f"also run TRL with its log-prob tile shrunk to {TILE_TOKENS} tokens x {TILE_VOCAB} vocab")
     ap.add_argument("--trl-no-gradient-checkpointing", action="store_true",
                     help="TRL without gradient checkpointing (its default is on, as is rlops' activation_checkpointing)")
+    ap.add_argument("--skip-trl-defaults", action="store_true",
+                    help="with --trl-tile: run only the faster (tiled) TRL")
     ap.add_argument("--threads", type=int, default=None, help="torch threads in each side (default: torch's choice)")
     ap.add_argument("--child", choices=list(LABELS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -338,7 +380,9 @@ def main() -> None:
     from stages.model import prepare_default_model
 
     path = prepare_default_model()  # converted once, before any timing
-    sides = {"both": ["trl", "trl-tile", "rlops"], "trl": ["trl", "trl-tile"], "rlops": ["rlops"]}[args.side]
+    sides = {"both": ["trl", "trl-tile", *RLOPS_SIDES], "trl": ["trl", "trl-tile"], "rlops": list(RLOPS_SIDES)}[args.side]
+    if args.skip_trl_defaults:
+        sides = [s for s in sides if s != "trl"]
     if not args.trl_tile:
         sides = [s for s in sides if s != "trl-tile"]
     print(f"model {path}; {PROMPTS} prompts x G={GROUP}, max {args.max_new_tokens} new tokens, {args.steps} steps; "

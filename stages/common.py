@@ -27,6 +27,7 @@ from storage.workspace import Workspace
 
 CODE_VERSION = "1"  # bump when a stage's output for the same inputs and config changes
 _OPERATIONAL = "rlops_operational"
+_ADDED = "rlops_added"
 
 
 def Operational(default: Any, **kwargs: Any) -> Any:  # noqa: N802 - used like pydantic's Field
@@ -36,12 +37,23 @@ def Operational(default: Any, **kwargs: Any) -> Any:  # noqa: N802 - used like p
     return Field(default, json_schema_extra={_OPERATIONAL: True}, **kwargs)
 
 
+def Added(default: Any, **kwargs: Any) -> Any:  # noqa: N802 - used like pydantic's Field
+    """A config field added after artifacts existed, whose default reproduces what the code did before:
+    it enters an id only when set to another value, so adding it changes no existing id."""
+    return Field(default, json_schema_extra={_ADDED: True}, **kwargs)
+
+
+def _marked(f: Any, marker: str) -> bool:
+    return isinstance(f.json_schema_extra, dict) and bool(f.json_schema_extra.get(marker))
+
+
 def identity(value: Any) -> Any:
     """The id-bearing part of a stage config: pydantic models as dicts without their `Operational`
-    fields (recursively), other values as they are. `run_stage` hashes this, nothing else."""
+    fields, nor their `Added` fields at default (recursively), other values as they are. `run_stage`
+    hashes this, nothing else."""
     if isinstance(value, BaseModel):
         return {name: identity(getattr(value, name)) for name, f in type(value).model_fields.items()
-                if not (isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get(_OPERATIONAL))}
+                if not _marked(f, _OPERATIONAL) and not (_marked(f, _ADDED) and getattr(value, name) == f.default)}
     if isinstance(value, dict):
         return {k: identity(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

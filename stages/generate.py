@@ -126,6 +126,26 @@ class _LogprobRecorder:
         return torch.stack(self._logprobs, dim=1)
 
 
+class _InverseCDFSampler:
+    """Draws each row's next token itself and hands `generate` a score row where only that token is finite,
+    so generate's greedy step takes it. The draw is exact inverse-CDF sampling: one uniform per row against
+    the cumulative softmax (float64). `torch.multinomial` over SmolLM2's 49k vocabulary costs ~30 ms per
+    decoding step for 32 rows on 2 CPU cores (a sixth of generation), most of it drawing random numbers
+    for the whole vocabulary; this draws one per row. Seeded by the global RNG, as generate's sampling is.
+    Used when top_p == 1 (no truncation to implement)."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        cdf = torch.softmax(scores.double() / self.temperature, dim=-1).cumsum(-1)  # (B, V)
+        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+        pick = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # (B, 1): first cdf > u
+        return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
+
+
 class HFBackend:
     """Batched sampling with `transformers`' `generate` (left padding, seeded, CPU or GPU)."""
 
@@ -155,9 +175,13 @@ class HFBackend:
 
         greedy = sampling.temperature == 0
         recorder = _LogprobRecorder(1.0 if greedy else sampling.temperature)
+        processors = [recorder]
+        fast = not greedy and sampling.top_p >= 1.0  # sample in our processor, let generate take its pick
+        if fast:
+            processors.append(_InverseCDFSampler(sampling.temperature))
         kwargs: dict[str, Any] = dict(
-            do_sample=not greedy,
-            temperature=1.0 if greedy else sampling.temperature,
+            do_sample=not greedy and not fast,
+            temperature=1.0 if greedy or fast else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p,
             top_k=0,  # transformers defaults to top_k=50; sample from the full distribution
             # A model's generation_config may set a penalty (Qwen2.5-Instruct: 1.05); it would run
@@ -166,7 +190,7 @@ class HFBackend:
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
-            logits_processor=LogitsProcessorList([recorder]),
+            logits_processor=LogitsProcessorList(processors),
         )
         if sampling.stop:
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)

@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.checkpoints import Checkpoint, write_checkpoint
-from stages.common import ArtifactRef, Operational, StageContext, identity, resolve_policy, run_stage
+from stages.common import Added, ArtifactRef, Operational, StageContext, identity, resolve_policy, run_stage
 from stages.grpo_data import read_training_data
 from stages import grpo_workers
 from stages.grpo_train import load_for_update, make_optimizer, save_update
@@ -51,6 +51,10 @@ class GRPOConfig(BaseModel):
     # Data-parallel workers (Ray Train DDP, stages/grpo_workers.py); the update equals one worker's
     # up to float summation order, so it is not part of the checkpoint id.
     workers: int = Operational(1, ge=1)
+    # Groups whose rewards all agree have advantage 0: skipping them saves their forward/backward and
+    # leaves them out of the token mean. False trains on every completion (TRL's behaviour, whose token
+    # mean counts their tokens too): the same gradient direction, scaled down by the zero-signal share.
+    skip_zero_variance: bool = Added(True)
     max_grad_norm: float = 1.0  # the common clip; a few outlier sequences cannot blow up a step
     weight_decay: float = 0.0  # decay on LoRA weights pulls toward the base for no measured gain (TRL's default)
     scale: Literal["group", "batch", "none"] = "group"  # GRPO's per-group std; "none" is Dr. GRPO
@@ -75,7 +79,8 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
 
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
         ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": str(reward)})  # which reward version this run trained on
-        data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline)
+        data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline,
+                                  skip_zero_variance=config.skip_zero_variance)
         base_model, adapter_uri = resolve_policy(ctx.ws, parent_policy)
         # an object-store checkpoint is downloaded once per machine
         adapter_dir = local_copy(adapter_uri)

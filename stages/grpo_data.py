@@ -69,8 +69,9 @@ def sampling_temperature(rows: list[dict[str, Any]]) -> float:
     return temps.pop()
 
 
-def training_data(rows: list[dict[str, Any]], scale: str, baseline: str) -> TrainingData:
-    """Scored rows -> samples of the groups with signal, their advantages and the data metrics."""
+def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_zero_variance: bool = True) -> TrainingData:
+    """Scored rows -> samples of the groups with signal (of every group, `skip_zero_variance` off),
+    their advantages and the data metrics."""
     import torch
 
     from stages.grpo_loss import group_advantages, zero_variance_groups
@@ -83,7 +84,8 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str) -> Trai
         raise ValueError("no rollout of these batches has a value for this reward")
     rewards = torch.tensor([r["value"] for r in scored], dtype=torch.float32)  # (N,)
     groups = [(r["batch_id"], r["group_id"]) for r in scored]
-    keep = ~zero_variance_groups(rewards, groups)  # (N,) bool; their advantages are 0 anyway
+    zero = zero_variance_groups(rewards, groups)  # (N,) bool; their advantages are 0 anyway
+    keep = ~zero if skip_zero_variance else torch.ones_like(zero)
     advantages = group_advantages(rewards, groups, scale, baseline)[keep]  # (n,) one per rollout with signal
     # Each segment of a rollout (storage.schema.segment_bounds) is its own sequence, trained with the
     # rollout's advantage; a segment with no sampled token (an agent's error row) trains nothing.
@@ -93,7 +95,7 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str) -> Trai
             if any(r["loss_mask"][a:b]):
                 samples.append(Sample(r["token_ids"][a:b], r["loss_mask"][a:b], r["behavior_logprobs"][a:b]))
                 owner.append(j)
-    n_groups, n_zero = len(set(groups)), len({g for g, k in zip(groups, keep.tolist()) if not k})
+    n_groups, n_zero = len(set(groups)), len({g for g, z in zip(groups, zero.tolist()) if z})
     return TrainingData(samples, advantages[torch.tensor(owner, dtype=torch.long)], temperature, {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
         "advantage_mean": float(advantages.mean()) if samples else 0.0,
@@ -104,9 +106,10 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str) -> Trai
     })
 
 
-def read_training_data(ws: Workspace, batches: list[str], reward: RewardRef, scale: str, baseline: str) -> TrainingData:
+def read_training_data(ws: Workspace, batches: list[str], reward: RewardRef, scale: str, baseline: str,
+                       skip_zero_variance: bool = True) -> TrainingData:
     """`training_data` over the scored rollouts of `batches` (reward must carry its version)."""
-    return training_data(read_scored(ws, batches, reward), scale, baseline)
+    return training_data(read_scored(ws, batches, reward), scale, baseline, skip_zero_variance)
 
 
 def informative_groups(ws: Workspace, batches: list[str], reward: RewardRef) -> int:

@@ -72,6 +72,43 @@ def test_logprobs_match_a_fresh_forward_pass(policy: tuple[Any, Any], temperatur
             assert next_token_logits(model, prefix, s.token_ids).argmax(-1).tolist() == s.token_ids
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_the_fast_sampler_draws_from_the_softmax(temperature: float) -> None:
+    from stages.generate import _InverseCDFSampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0, 0.5]]).repeat(40_000, 1)  # (N, V): one draw per row
+    torch.manual_seed(0)
+    out = _InverseCDFSampler(temperature)(None, logits)
+    picks = out.argmax(-1)
+    assert bool((out.isfinite().sum(-1) == 1).all())  # generate's greedy step can take only the pick
+    freq = torch.bincount(picks, minlength=6).double() / len(picks)
+    p = torch.softmax(logits[0].double() / temperature, -1)
+    # 40k draws: 4.5 standard errors on every token's frequency; the ~1e-13 token is never drawn
+    assert bool(((freq - p).abs() <= 4.5 * (p * (1 - p) / len(picks)).sqrt() + 1e-9).all()), (freq, p)
+    assert freq[4] == 0
+
+
+def test_repeated_prompts_share_one_prefill(policy: tuple[Any, Any]) -> None:
+    """A group's G copies of a prompt are prefilled once: the same tokens and log-probs as one prefill per row."""
+    model, tokenizer = policy
+    batch = [p for p in prompts(tokenizer) for _ in range(3)]  # 3 prompts x G=3, different lengths
+    calls: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: calls.append(tuple(k["input_ids"].shape)), with_kwargs=True)
+    try:
+        for temperature in (0.0, 1.0):
+            sampling = SamplingConfig(temperature, max_new_tokens=6)
+            calls.clear()
+            shared = HFBackend(model, tokenizer, share_prompts=True).generate(batch, sampling, seed=5)
+            width = max(map(len, batch))
+            assert calls[0] == (3, width - 1) and calls[1] == (9, 1)  # 3 distinct prompts, then one token per row
+            separate = HFBackend(model, tokenizer, share_prompts=False).generate(batch, sampling, seed=5)
+            assert [s.token_ids for s in shared] == [s.token_ids for s in separate]
+            for a, b in zip(shared, separate):
+                assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    finally:
+        hook.remove()
+
+
 def test_stop_strings_cut_where_generation_stopped(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     backend, batch = HFBackend(model, tokenizer), prompts(tokenizer)[:1]

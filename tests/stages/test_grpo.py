@@ -251,6 +251,19 @@ def test_stage_end_to_end(tmp_path: Path) -> None:
 
 
 
+def test_zero_variance_groups_are_skipped_unless_asked_to_train_on_every_completion() -> None:
+    def row(i: int, group: str, value: float) -> dict:
+        return {"rollout_id": f"r{i}", "batch_id": "b", "group_id": group, "token_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
+                "behavior_logprobs": [0.0, -1.0, -1.0], "sampling": json.dumps({"temperature": 1.0}), "value": value}
+
+    rows = [row(0, "a", 0.0), row(1, "a", 1.0), row(2, "z", 0.0), row(3, "z", 0.0)]
+    skipped = training_data(rows, scale="group", baseline="mean")
+    every = training_data(rows, scale="group", baseline="mean", skip_zero_variance=False)
+    assert len(skipped.samples) == 2 and len(every.samples) == 4
+    assert every.advantages.tolist()[2:] == [0.0, 0.0]  # trained on, with no signal
+    assert skipped.metrics["zero_variance_groups"] == every.metrics["zero_variance_groups"] == 1.0
+
+
 def test_update_takes_the_rollouts_temperature_and_refuses_a_mix() -> None:
     def row(i: int, temperature: float) -> dict:
         return {"rollout_id": f"r{i}", "batch_id": "b", "group_id": "g", "token_ids": [1, 2], "loss_mask": [0, 1],

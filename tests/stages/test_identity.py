@@ -36,6 +36,13 @@ def test_operational_fields_never_enter_ids() -> None:
     assert "temperature" not in GRPOConfig.model_fields  # the rollouts record it; asked once
 
 
+def test_added_fields_enter_ids_only_off_their_default() -> None:
+    # skip_zero_variance came after GRPO ids existed: at its default (the old behaviour) ids are unchanged.
+    assert "skip_zero_variance" not in identity(GRPOConfig())
+    assert identity(GRPOConfig(skip_zero_variance=True)) == identity(GRPOConfig())
+    assert identity(GRPOConfig(skip_zero_variance=False))["skip_zero_variance"] is False
+
+
 def test_base_policy_follows_the_weights_not_the_name(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv("RLOPS_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "model"
