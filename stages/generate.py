@@ -222,9 +222,10 @@ class HFBackend:
         ids, mask = input_ids[distinct, :-1], attention_mask[distinct, :-1]  # (U, P-1)
         # Left padding: positions count real tokens only, as generate computes them from the mask.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers 5 renamed it
         cache.batch_select_indices(torch.tensor([slot[r] for r in rows], device=input_ids.device))  # (B, ...)
-        return {"past_key_values": cache}
+        return {"cache" if hasattr(out, "cache") else "past_key_values": cache}
 
     def _sample(self, ids: list[int], lps: list[float], sampling: SamplingConfig) -> Sample:
         """Cut one generated row where it really ended (EOS, stop string, or max length); the rest

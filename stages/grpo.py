@@ -55,6 +55,9 @@ class GRPOConfig(BaseModel):
     # leaves them out of the token mean. False trains on every completion (TRL's behaviour, whose token
     # mean counts their tokens too): the same gradient direction, scaled down by the zero-signal share.
     skip_zero_variance: bool = Added(True)
+    # The samples of a group continue one prompt: run it once per micro-batch, not once per sample
+    # (stages.logprobs.shared_prefix_logprobs). The same log-probs up to float rounding (~1e-5).
+    share_prompts: bool = Operational(True)
     max_grad_norm: float = 1.0  # the common clip; a few outlier sequences cannot blow up a step
     weight_decay: float = 0.0  # decay on LoRA weights pulls toward the base for no measured gain (TRL's default)
     scale: Literal["group", "batch", "none"] = "group"  # GRPO's per-group std; "none" is Dr. GRPO

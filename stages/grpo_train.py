@@ -33,6 +33,16 @@ class _MicroBatch:
     mask: torch.Tensor  # (b, T) bool: scored (sampled) positions
     behavior_logp: torch.Tensor  # (b, T)
     ref_logp: torch.Tensor | None = None  # (b, T), only when beta > 0
+    # (P,) a prompt every row continues; the rows then hold only what follows it (`shared_prefix_logprobs`)
+    prefix: torch.Tensor | None = None
+
+    def logprobs(self, model: Any, temperature: float) -> torch.Tensor:
+        """Per-token log-probs (b, T) of the rows at the scored positions (0 elsewhere)."""
+        from stages.logprobs import shared_prefix_logprobs, token_logprobs
+
+        if self.prefix is None:
+            return token_logprobs(model, self.input_ids, self.attention_mask, self.mask, temperature)
+        return shared_prefix_logprobs(model, self.prefix, self.input_ids, self.attention_mask, self.mask, temperature)
 
 
 def _micro_batch_indices(lengths: list[int], size: int, max_tokens: int | None) -> list[list[int]]:
@@ -49,12 +59,58 @@ def _micro_batch_indices(lengths: list[int], size: int, max_tokens: int | None) 
     return out
 
 
-def _micro_batches(samples: list[Sample], size: int, device: Any, max_tokens: int | None = None) -> list[_MicroBatch]:
-    """Tensors of each micro-batch of `_micro_batch_indices` (right-padded)."""
+def _prompt_length(s: Sample) -> int:
+    """Tokens before the first sampled one: the prompt the policy continued."""
+    return next((t for t, m in enumerate(s.loss_mask) if m), len(s.loss_mask))
+
+
+def _shared_prompt_batches(samples: list[Sample], size: int, max_tokens: int | None) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Samples that continue one prompt (a group's G samples), cut into micro-batches of at most `size`
+    continuations and `max_tokens` tokens (the prompt once + count x longest continuation):
+    ([(prompt length, indices)], indices of samples that share their prompt with no other)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        p = _prompt_length(s)
+        if 0 < p < len(s.token_ids):
+            by_prompt.setdefault(tuple(s.token_ids[:p]), []).append(i)
+    shared, alone = [], [i for i, s in enumerate(samples) if not 0 < _prompt_length(s) < len(s.token_ids)]
+    for prompt, idx in by_prompt.items():
+        if len(idx) == 1:
+            alone += idx
+            continue
+        P = len(prompt)
+        budget = None if max_tokens is None else max(max_tokens - P, 1)
+        for chunk in _micro_batch_indices([len(samples[i].token_ids) - P for i in idx], size, budget):
+            shared.append((P, [idx[k] for k in chunk]))
+    return shared, sorted(alone)
+
+
+def _micro_batches(samples: list[Sample], size: int, device: Any, max_tokens: int | None = None,
+                   share_prompts: bool = False) -> list[_MicroBatch]:
+    """Tensors of each micro-batch of `_micro_batch_indices` (right-padded); with `share_prompts`, the samples
+    of a shared prompt go in micro-batches of their own that run the prompt once (`_MicroBatch.prefix`)."""
     import torch
 
     out = []
-    for idx in _micro_batch_indices([len(s.token_ids) for s in samples], size, max_tokens):
+    alone = list(range(len(samples)))
+    if share_prompts:
+        shared, alone = _shared_prompt_batches(samples, size, max_tokens)
+        for P, idx in shared:
+            S = max(len(samples[i].token_ids) for i in idx) - P
+            ids, attn = torch.zeros(len(idx), S, dtype=torch.long), torch.zeros(len(idx), S, dtype=torch.long)
+            mask, blp = torch.zeros(len(idx), S, dtype=torch.bool), torch.zeros(len(idx), S)
+            for row, i in enumerate(idx):
+                s, n = samples[i], len(samples[i].token_ids) - P
+                ids[row, :n] = torch.tensor(s.token_ids[P:])
+                attn[row, :n] = 1
+                mask[row, :n] = torch.tensor(s.loss_mask[P:], dtype=torch.bool)
+                blp[row, :n] = torch.tensor(s.behavior_logprobs[P:])
+            prefix = torch.tensor(samples[idx[0]].token_ids[:P], device=device)
+            out.append(_MicroBatch(torch.tensor(idx), ids.to(device), attn.to(device), mask.to(device), blp.to(device),
+                                   prefix=prefix))
+    lengths = [len(samples[i].token_ids) for i in alone]
+    for local in _micro_batch_indices(lengths, size, max_tokens):
+        idx = [alone[k] for k in local]
         T = max(len(samples[i].token_ids) for i in idx)
         ids, attn = torch.zeros(len(idx), T, dtype=torch.long), torch.zeros(len(idx), T, dtype=torch.long)
         mask, blp = torch.zeros(len(idx), T, dtype=torch.bool), torch.zeros(len(idx), T)
@@ -80,12 +136,11 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
     import torch
 
     from stages.grpo_loss import policy_loss
-    from stages.logprobs import token_logprobs
 
     if not samples:
         return []
     device = next(model.parameters()).device
-    batches = _micro_batches(samples, config.micro_batch_size, device, config.micro_batch_tokens)
+    batches = _micro_batches(samples, config.micro_batch_size, device, config.micro_batch_tokens, config.share_prompts)
     advantages = advantages.float().to(device)
     total_tokens = float(sum(int(b.mask.sum()) for b in batches))
     # dr_grpo's constant normaliser must be the same for every micro-batch: the longest completion.
@@ -93,7 +148,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
     if config.beta > 0:  # the reference (adapter off) does not change during the step: score it once
         with torch.no_grad(), model.disable_adapter():
             for b in batches:
-                b.ref_logp = token_logprobs(model, b.input_ids, b.attention_mask, b.mask, temperature)
+                b.ref_logp = b.logprobs(model, temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     _train_without_dropout(model)
     _set_activation_checkpointing(model, config.activation_checkpointing)
@@ -104,7 +159,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
         sums = dict.fromkeys(["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean"], 0.0)
         for b in batches:
             _release_free_memory()
-            logp = token_logprobs(model, b.input_ids, b.attention_mask, b.mask, temperature)  # (b, T)
+            logp = b.logprobs(model, temperature)  # (b, T)
             loss, stats = policy_loss(logp, b.behavior_logp, advantages[b.index.to(device)], b.mask,
                                       eps_low=config.eps_low, eps_high=config.eps_high, ratio_cap=config.ratio_cap,
                                       ref_logp=b.ref_logp, beta=config.beta, aggregation=config.aggregation,

@@ -11,6 +11,9 @@ post-process logits (Gemma 2 soft-capping, Cohere logit_scale) would need that h
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -79,3 +82,86 @@ def token_logprobs(
     scored = torch.cat(chunks) if chunks else rows.new_zeros(0, dtype=torch.float32)  # (N,)
     out = torch.zeros(want.shape[0], want.shape[1] - 1, dtype=torch.float32, device=rows.device)
     return F.pad(out.masked_scatter(want[:, 1:], scored), (1, 0))  # (B, T)
+
+
+def shared_prefix_logprobs(
+    model: nn.Module,
+    prefix: Tensor,
+    suffix_ids: Tensor,
+    suffix_mask: Tensor,
+    positions_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+) -> Tensor:
+    """log p(suffix_ids[i, t] | prefix, suffix_ids[i, :t]) for n continuations of one shared prefix, as a
+    float32 (n, S) tensor, 0 at padding and wherever positions_mask is False: `token_logprobs` of each
+    row prefix + suffix_ids[i], with the prefix run once instead of n times.
+
+    The prefix (P,) goes through the decoder once and its key/value cache is repeated for the n rows;
+    the suffixes (n, S, right-padded, `suffix_mask` 1 on real tokens) then attend to it. Gradients reach
+    the LoRA weights through both passes. Under activation checkpointing the prefix pass runs without it
+    (one short sequence) and the suffix layers are checkpointed with the prefix cache read-only
+    (`_read_only_prefix`), so their recomputation in backward sees the same keys and values.
+    Llama-style decoders (transformers 5 `cache=` API); tests compare it with `token_logprobs`.
+    """
+    from stages.grpo_train import _set_activation_checkpointing
+
+    lm = _causal_lm(model)
+    decoder = lm.get_decoder()
+    n, S = suffix_ids.shape
+    P = prefix.shape[0]
+    active = lm.is_activation_checkpointing if hasattr(lm, "is_activation_checkpointing") else lm.is_gradient_checkpointing
+    checkpointing = bool(active) and decoder.training and torch.is_grad_enabled()
+    if checkpointing:
+        _set_activation_checkpointing(model, False)
+    try:
+        head = decoder(input_ids=prefix[None], position_ids=torch.arange(P, device=prefix.device)[None], use_cache=True)
+    finally:
+        if checkpointing:
+            _set_activation_checkpointing(model, True)
+    cache = head.cache if hasattr(head, "cache") else head.past_key_values  # transformers 5 renamed it
+    cache.batch_repeat_interleave(n)  # (1, ...) -> (n, ...), differentiable
+    cache.__class__ = _read_only_prefix()
+    layers = list(decoder.layers)
+    for layer in layers:  # the cache is only read: checkpointed layers may keep it (transformers' own rule)
+        layer._can_checkpoint_with_cache = True
+    try:
+        tail = decoder(
+            input_ids=suffix_ids,
+            attention_mask=torch.cat([suffix_mask.new_ones(n, P), suffix_mask], 1),
+            position_ids=(P + torch.arange(S, device=suffix_ids.device))[None].expand(n, -1),
+            cache=cache,
+            use_cache=False,
+        ).last_hidden_state  # (n, S, H)
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+    # Token t of a suffix is scored from the state before it: the prefix's last for t = 0.
+    states = torch.cat([head.last_hidden_state[:, -1:].expand(n, 1, -1), tail[:, :-1]], 1)  # (n, S, H)
+    want = suffix_mask.bool() if positions_mask is None else suffix_mask.bool() & positions_mask.bool()
+    rows, targets = states[want], suffix_ids[want]  # (N, H), (N,)
+    lm_head = lm.get_output_embeddings()
+    chunks = []
+    for start in range(0, rows.shape[0], chunk_size):
+        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature)
+        chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
+                      else _chunk_logprobs(*args))
+    scored = torch.cat(chunks) if chunks else rows.new_zeros(0, dtype=torch.float32)
+    return torch.zeros(n, S, dtype=torch.float32, device=rows.device).masked_scatter(want, scored)
+
+
+@functools.cache
+def _read_only_prefix() -> type:
+    """`ReadOnlyPrefix`, a transformers `DynamicCache` subclass (transformers imported on first use)."""
+    from transformers import DynamicCache
+
+    class ReadOnlyPrefix(DynamicCache):
+        """A prefix's key/value cache that attention reads but never extends: `update` returns the prefix
+        followed by the new states without storing them, so a checkpointed layer recomputed in backward
+        sees exactly what it saw forward."""
+
+        def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+            layer = self.layers[layer_idx]
+            return torch.cat([layer.keys, key_states], -2), torch.cat([layer.values, value_states], -2)
+
+    return ReadOnlyPrefix

@@ -164,6 +164,41 @@ def test_micro_batches_accumulate_to_the_full_batch_step(aggregation: str) -> No
     torch.testing.assert_close(params[2], params[0], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_shared_prompt_runs_once_and_gives_the_same_update(checkpointing: bool) -> None:
+    """The G samples of a group continue one prompt: run it once per micro-batch (prefix + continuations)
+    and the update equals running every sample whole, with activation checkpointing on or off."""
+    from stages.grpo_loss import group_advantages
+
+    model, _, prompts = tiny_setup(0)
+    samples, rewards, groups = sample(model, prompts[:2], G, seed=0)
+    samples = [Sample(s.token_ids[: len(s.token_ids) - i % 4], s.loss_mask[: len(s.token_ids) - i % 4],
+                      s.behavior_logprobs[: len(s.token_ids) - i % 4]) for i, s in enumerate(samples)]
+    alone, *_ = sample(model, prompts[2:3], 1, seed=1)  # a prompt no other sample shares: the plain path
+    samples, rewards, groups = samples + alone, rewards + [0.5], groups + [2]
+    advantages = group_advantages(torch.tensor(rewards), groups)
+    advantages[-1] = 1.0
+    params, histories, prefixes = [], [], []
+    for share in (False, True):
+        m = copy.deepcopy(model)
+        calls: list[tuple[int, ...]] = []
+        decoder = m.get_base_model().get_decoder()
+        hook = decoder.register_forward_pre_hook(lambda mod, a, k: calls.append(tuple(k["input_ids"].shape)),
+                                                 with_kwargs=True)
+        sgd = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0)
+        config = LEARN.model_copy(update={"micro_batch_size": 5, "share_prompts": share, "max_grad_norm": 1e9,
+                                          "activation_checkpointing": checkpointing})
+        histories.append(train_on_batch(m, sgd, samples, advantages, config, temperature=1.0)[0])
+        hook.remove()
+        params.append(torch.cat([p.detach().flatten() for p in m.parameters() if p.requires_grad]))
+        prefixes.append([c for c in calls if c == (1, PROMPT_LEN)])
+    torch.testing.assert_close(params[1], params[0], atol=1e-5, rtol=1e-4)
+    for k in ("loss", "ratio_mean", "clip_frac", "grad_norm", "tokens"):
+        assert histories[1][k] == pytest.approx(histories[0][k], rel=1e-4, abs=1e-6), k
+    # 2 groups of 8 in micro-batches of <= 5 continuations: each group's prompt runs once per micro-batch
+    assert prefixes == [[], [(1, PROMPT_LEN)] * 4]
+
+
 @pytest.mark.parametrize(("lengths", "size", "budget", "expected"), [
     ([5, 3, 9, 4], 8, None, [[1, 3, 0, 2]]),  # sorted by length, all in one
     ([5, 3, 9, 4], 2, None, [[1, 3], [0, 2]]),  # at most 2 sequences
