@@ -101,15 +101,44 @@ def judge_messages(prefix: list[dict[str, Any]], bodies: Sequence[list[dict[str,
     return [{"role": "system", "content": INSTRUCTIONS.format(rubric=rubric)}, {"role": "user", "content": text}]
 
 
+def _scores_list(value: Any) -> list[Any] | None:
+    """The entries of a decoded reply: its "scores" list, or the value itself when it is a list of
+    objects with ids (what a judge writes when it drops the wrapper); None for anything else."""
+    if isinstance(value, dict):
+        items = value.get("scores")
+        return items if isinstance(items, list) else None
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "id" in v for v in value):
+        return value
+    return None
+
+
+def _embedded_scores(text: str) -> list[Any] | None:
+    """The first scores list found as a JSON value inside `text`: a judge without JSON mode (an
+    `rlops serve` model, many local servers) often writes prose or code around the object we asked for."""
+    decoder = json.JSONDecoder()
+    for start in re.finditer(r"[{\[]", text):
+        try:
+            value, _ = decoder.raw_decode(text, start.start())
+        except json.JSONDecodeError:
+            continue
+        if (items := _scores_list(value)) is not None:
+            return items
+    return None
+
+
 def parse_scores(content: str, n: int) -> list[tuple[float, str]]:
-    """(score, explanation) for labels 1..n from a judge reply; ValueError saying what is wrong."""
+    """(score, explanation) for labels 1..n from a judge reply; ValueError saying what is wrong.
+
+    The reply should be the JSON object alone; failing that, the first scores object (or bare list of
+    entries) inside it is used. Whatever is found is validated in full."""
     text = re.sub(r"^\s*```(?:json)?\s*|\s*```\s*$", "", content)  # a fenced reply is still the JSON we asked for
     try:
-        data = json.loads(text)
+        items = _scores_list(json.loads(text))
     except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e})") from None
-    items = data.get("scores") if isinstance(data, dict) else None
-    if not isinstance(items, list):
+        items = _embedded_scores(text)
+        if items is None:
+            raise ValueError(f"not valid JSON, and no scores object inside it ({e})") from None
+    if items is None:
         raise ValueError('no "scores" list in the reply')
     if len(items) != n:
         raise ValueError(f"expected {n} scores, got {len(items)}")

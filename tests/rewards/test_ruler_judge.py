@@ -94,6 +94,33 @@ def test_invalid_output_is_retried_once_then_errors(judge_server, make_rollout, 
     assert retry[-1]["role"] == "user" and "could not be used" in retry[-1]["content"]
 
 
+TWO = [{"id": "1", "score": 0.25, "explanation": "a"}, {"id": "2", "score": 1, "explanation": "b"}]
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        (json.dumps({"scores": TWO}), [(0.25, "a"), (1.0, "b")]),
+        ("Here are the scores:\n" + json.dumps({"scores": TWO}) + "\nHope this helps.", [(0.25, "a"), (1.0, "b")]),
+        (json.dumps({"scores": TWO}) + "\n" + json.dumps({"note": 1}), [(0.25, "a"), (1.0, "b")]),  # extra data
+        ("<script>\nconst json = " + json.dumps(TWO) + ";\n</script>", [(0.25, "a"), (1.0, "b")]),  # a bare list
+        # found but invalid, or nothing usable: the reason says which
+        ("Scores: " + json.dumps({"scores": TWO[:1]}), "expected 2 scores, got 1"),
+        ('[{"id": "1", "score": 0.25}, {"id": "2", "sc', "not valid JSON, and no scores object inside it"),
+        ('I rate them {"id": "1"} and {"id": "2"} equally.', "not valid JSON, and no scores object inside it"),
+        (json.dumps({"id": "1", "score": 1}), 'no "scores" list in the reply'),
+    ],
+)
+def test_the_scores_object_is_found_inside_a_reply_and_validated(reply: str, expected) -> None:
+    from rewards.ruler import parse_scores
+
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            parse_scores(reply, 2)
+    else:
+        assert parse_scores(reply, 2) == expected
+
+
 def test_invalid_then_valid_succeeds(judge_server, make_rollout) -> None:
     judge_server.script(judge_server.ok("{oops"), judge_server.ok("```json\n" + scores_json({"1": 0.25, "2": 0.75}) + "\n```"))
     outs = compute(judge_spec(judge_server), group(make_rollout, ["82", "81"]))
