@@ -55,6 +55,10 @@ class GRPOConfig(BaseModel):
     # leaves them out of the token mean. False trains on every completion (TRL's behaviour, whose token
     # mean counts their tokens too): the same gradient direction, scaled down by the zero-signal share.
     skip_zero_variance: bool = Added(True)
+    # A batch whose groups all agree has no gradient. False: no optimizer step (the checkpoint equals its
+    # parent's weights). True: AdamW still steps with zero gradients, so its momentum carries on, as in a
+    # trainer that runs the loss over every completion (TRL's GRPOTrainer); costs no forward pass.
+    step_without_signal: bool = Added(False)
     # The samples of a group continue one prompt: run it once per micro-batch, not once per sample
     # (stages.logprobs.shared_prefix_logprobs). The same log-probs up to float rounding (~1e-5).
     share_prompts: bool = Operational(True)
@@ -99,7 +103,8 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
         for epoch, m in enumerate(history):
             ctx.ws.tracker.log_metrics(mlflow_run_id, {f"train/{k}": v for k, v in m.items()}, step=epoch)
         # Nothing to train on (every group agreed): every advantage is 0, and so are the loss and the clipping.
-        metrics = {**data.metrics, "loss": 0.0, "clip_frac": 0.0}
+        metrics = {**data.metrics, "loss": 0.0, "clip_frac": 0.0,
+                   "momentum_only_step": float(not data.samples and config.step_without_signal)}
         if history:  # last epoch's values; speed and first-pass ratio over the whole update
             seconds = sum(m["tokens"] / m["tokens_per_s"] for m in history)
             metrics.update(history[-1], first_pass_ratio_mean=history[0]["ratio_mean"],

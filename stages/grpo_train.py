@@ -138,7 +138,13 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
     from stages.grpo_loss import policy_loss
 
     if not samples:
-        return []
+        if config.step_without_signal:  # zero gradients: AdamW's momentum alone moves the weights
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return []  # no epoch trained on anything
     device = next(model.parameters()).device
     batches = _micro_batches(samples, config.micro_batch_size, device, config.micro_batch_tokens, config.share_prompts)
     advantages = advantages.float().to(device)

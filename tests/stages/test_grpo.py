@@ -299,6 +299,21 @@ def test_zero_variance_groups_are_skipped_unless_asked_to_train_on_every_complet
     assert skipped.metrics["zero_variance_groups"] == every.metrics["zero_variance_groups"] == 1.0
 
 
+def test_a_batch_without_signal_steps_only_when_asked() -> None:
+    """All groups agree: no optimizer step by default; with step_without_signal AdamW's momentum moves the weights."""
+    model, optimizer, prompts = tiny_setup(0)
+    grpo_step(model, optimizer, prompts, LEARN, seed=0)  # one real step: AdamW has momentum now
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    assert train_on_batch(model, optimizer, [], torch.zeros(0), LEARN, temperature=1.0) == []
+    assert all(torch.equal(a, p) for a, p in zip(before, (p for p in model.parameters() if p.requires_grad)))
+    steps = optimizer.state[next(iter(optimizer.state))]["step"].item()
+    config = LEARN.model_copy(update={"step_without_signal": True})
+    assert train_on_batch(model, optimizer, [], torch.zeros(0), config, temperature=1.0) == []
+    after = [p.detach() for p in model.parameters() if p.requires_grad]
+    assert any(not torch.equal(a, p) for a, p in zip(before, after))
+    assert optimizer.state[next(iter(optimizer.state))]["step"].item() == steps + 1
+
+
 def test_update_takes_the_rollouts_temperature_and_refuses_a_mix() -> None:
     def row(i: int, temperature: float) -> dict:
         return {"rollout_id": f"r{i}", "batch_id": "b", "group_id": "g", "token_ids": [1, 2], "loss_mask": [0, 1],
