@@ -2,8 +2,11 @@
 
 SmolLM2-135M-Instruct on CPU, 4 arithmetic prompts x G=8 samples = 32 rows, 32 new tokens,
 temperature 1.0, single turn, no tools. Both paths sample from the same seed with the same
-settings, so they draw the very same tokens (checked) and the ratio is pure overhead: chat
-templating, the log-prob recorder, cutting rows, building episodes. On a shared machine the
+settings; before issue 11 they drew the very same tokens and the ratio was pure overhead: chat
+templating, the log-prob recorder, cutting rows, building episodes. Since issue 11 HFBackend
+samples with its own inverse-CDF sampler and prefills a group's shared prompt once, so it draws
+other (equally distributed) tokens than generate's multinomial, and the ratio also counts those
+two speed-ups; `identical samples` then reads False. On a shared machine the
 throughputs swing with other load; the overhead share measured inside each run is the steadier
 number (see `rollout` below).
 

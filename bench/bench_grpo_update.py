@@ -2,7 +2,7 @@
 
 A synthetic batch (4 prompts x G=8, ~40 prompt tokens, 32 completion tokens, random
 advantages, behaviour log-probs from the model itself) and a fresh LoRA (r=16 on q/k/v/o);
-no generation, no storage. Run: `.venv/bin/python bench/bench_grpo_update.py [--steps 3]`.
+no generation, no storage. Run: `.venv/bin/python bench/bench_grpo_update.py [--steps 3] [--no-share-prompts]`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 
 
-def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: bool) -> None:
+def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: bool, share: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -29,7 +29,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
     torch.manual_seed(0)
     prompts, group, prompt_len, new_tokens = 4, 8, 40, 32
     model = AutoModelForCausalLM.from_pretrained(resolve_model("SmolLM2-135M-Instruct"), dtype=torch.float32)
-    config = GRPOConfig(micro_batch_size=micro_batch_size, activation_checkpointing=checkpointing)
+    config = GRPOConfig(micro_batch_size=micro_batch_size, activation_checkpointing=checkpointing, share_prompts=share)
     model = add_lora(model, config.lora)
     vocab = model.config.vocab_size
 
@@ -52,7 +52,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {len(samples)} sequences "
           f"(prompt {prompt_len}-{prompt_len + prompts - 1} + {new_tokens} completion tokens), "
-          f"micro_batch_size {micro_batch_size}, activation checkpointing {checkpointing}, LoRA r={config.lora.r} on {','.join(config.lora.target_modules)}")
+          f"micro_batch_size {micro_batch_size}, activation checkpointing {checkpointing}, shared prompts {share}, LoRA r={config.lora.r} on {','.join(config.lora.target_modules)}")
     for step in range(steps):
         start, cpu = time.perf_counter(), time.process_time()
         (metrics,) = train_on_batch(model, optimizer, samples, advantages, config, temperature=1.0)
@@ -71,5 +71,6 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-activation-checkpointing", action="store_true")
+    parser.add_argument("--no-share-prompts", action="store_true", help="run every sample's prompt (grpo.share_prompts off)")
     args = parser.parse_args()
-    main(args.steps, args.micro_batch_size, args.threads, not args.no_activation_checkpointing)
+    main(args.steps, args.micro_batch_size, args.threads, not args.no_activation_checkpointing, not args.no_share_prompts)

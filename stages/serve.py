@@ -208,8 +208,12 @@ class PolicyService:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices, recorded, returned = [], [], []
         for i, s in enumerate(samples):
-            calls = [ToolCall(call_id(rid, i, k), c.name, c.arguments) for k, c in enumerate(parse_tool_calls(s.text, 0))]
-            shown = Message("assistant", without_tool_calls(visible_text(s.text, list(sampling.stop))), calls)
+            # Tool calls only when the request offers tools: otherwise the text is the answer, as it was
+            # sampled (a judge asked for JSON must not lose a `<tool_call>`-looking span of it).
+            found = parse_tool_calls(s.text, 0) if req.tools else []
+            calls = [ToolCall(call_id(rid, i, k), c.name, c.arguments) for k, c in enumerate(found)]
+            text = visible_text(s.text, list(sampling.stop))
+            shown = Message("assistant", without_tool_calls(text) if req.tools else text, calls)
             finish = "tool_calls" if calls else s.finish_reason
             recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason))
             returned.append(shown)
