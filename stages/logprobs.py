@@ -45,6 +45,20 @@ def _chunk_logprobs(lm_head: nn.Module, hidden: Tensor, targets: Tensor, tempera
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # (n,)
 
 
+def _scored_logprobs(lm: nn.Module, rows: Tensor, targets: Tensor, temperature: float, chunk_size: int) -> Tensor:
+    """log p(targets[i] | rows[i]) for hidden states rows (N, H): the output layer a chunk of rows at a
+    time; with gradients each chunk is recomputed in backward, so only (chunk_size, V) logits live."""
+    lm_head = lm.get_output_embeddings()
+    chunks = []
+    for start in range(0, rows.shape[0], chunk_size):
+        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature)
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            chunks.append(_chunk_logprobs(*args))
+    return torch.cat(chunks) if chunks else rows.new_zeros(0, dtype=torch.float32)  # (N,)
+
+
 def token_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -71,15 +85,7 @@ def token_logprobs(
     ).last_hidden_state  # (B, T, H)
     rows = hidden[:, :-1][want[:, 1:]]  # (N, H): the state before each scored token
     targets = input_ids[:, 1:][want[:, 1:]]  # (N,)
-    lm_head = lm.get_output_embeddings()
-    chunks = []
-    for start in range(0, rows.shape[0], chunk_size):
-        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature)
-        if torch.is_grad_enabled():
-            chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            chunks.append(_chunk_logprobs(*args))
-    scored = torch.cat(chunks) if chunks else rows.new_zeros(0, dtype=torch.float32)  # (N,)
+    scored = _scored_logprobs(lm, rows, targets, temperature, chunk_size)  # (N,)
     out = torch.zeros(want.shape[0], want.shape[1] - 1, dtype=torch.float32, device=rows.device)
     return F.pad(out.masked_scatter(want[:, 1:], scored), (1, 0))  # (B, T)
 
@@ -139,15 +145,8 @@ def shared_prefix_logprobs(
     # Token t of a suffix is scored from the state before it: the prefix's last for t = 0.
     states = torch.cat([head.last_hidden_state[:, -1:].expand(n, 1, -1), tail[:, :-1]], 1)  # (n, S, H)
     want = suffix_mask.bool() if positions_mask is None else suffix_mask.bool() & positions_mask.bool()
-    rows, targets = states[want], suffix_ids[want]  # (N, H), (N,)
-    lm_head = lm.get_output_embeddings()
-    chunks = []
-    for start in range(0, rows.shape[0], chunk_size):
-        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature)
-        chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
-                      else _chunk_logprobs(*args))
-    scored = torch.cat(chunks) if chunks else rows.new_zeros(0, dtype=torch.float32)
-    return torch.zeros(n, S, dtype=torch.float32, device=rows.device).masked_scatter(want, scored)
+    scored = _scored_logprobs(lm, states[want], suffix_ids[want], temperature, chunk_size)  # (N,)
+    return torch.zeros(n, S, dtype=torch.float32, device=states.device).masked_scatter(want, scored)
 
 
 @functools.cache
