@@ -240,7 +240,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 1
     print_rows(["metric"] + policies, [[m] + [v.get(p) for p in policies] for m, v in table.items()],
                "json" if args.json else "table")
+    _print_comparison(args)
     return 0
+
+
+def _print_comparison(args: argparse.Namespace) -> None:
+    """The accuracy difference with its 95 % bootstrap interval over prompts (`stages.evaluate.compare`), or
+    why there is none (evaluations without recorded rollouts, different metrics)."""
+    from stages.evaluate import compare
+    from storage.workspace import Workspace
+
+    try:
+        c = compare(Workspace.open(args.workspace), args.policy_a, args.policy_b)
+    except ValueError as e:
+        print(f"no paired comparison: {e}", file=sys.stderr)
+        return
+    if args.json:
+        print(json.dumps({**c.__dict__, "difference": c.difference}))
+        return
+    print(f"accuracy {c.policy_b} - {c.policy_a}: {c.difference:+.3f} "
+          f"(95 % interval {c.low:+.3f} to {c.high:+.3f}, bootstrap over {c.prompts} prompts; "
+          f"{c.metric}, latest evaluation of each)")
 
 
 @command("rewards")

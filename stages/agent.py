@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -204,47 +205,49 @@ def run_episodes(
         out[i].finish_reason, out[i].truncated = reason, truncated
         out[i].gen_seconds = time.monotonic() - start
 
-    active = list(range(len(out)))
-    for turn in range(task.max_turns):
-        room = {i: max_total_tokens - len(out[i].token_ids) - reserve for i in active}
-        for i in active:
-            if room[i] < 1:
-                finish(i, "max_tokens", True)
-        active = [i for i in active if room[i] >= 1]
-        if not active:
-            break
-        # One generate call for every active episode; each sample is cut to its own room after.
-        turn_sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max(room.values())))
-        seed = _turn_seed(sampling.seed, [episodes[i].seed for i in active], turn)
-        samples = backend.generate([out[i].token_ids for i in active], turn_sampling, seed)
+    # The HF backend keeps each turn's key/value cache for the next turn (`HFBackend.conversation`).
+    with getattr(backend, "conversation", nullcontext)():
+        active = list(range(len(out)))
+        for turn in range(task.max_turns):
+            room = {i: max_total_tokens - len(out[i].token_ids) - reserve for i in active}
+            for i in active:
+                if room[i] < 1:
+                    finish(i, "max_tokens", True)
+            active = [i for i in active if room[i] >= 1]
+            if not active:
+                break
+            # One generate call for every active episode; each sample is cut to its own room after.
+            turn_sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max(room.values())))
+            seed = _turn_seed(sampling.seed, [episodes[i].seed for i in active], turn)
+            samples = backend.generate([out[i].token_ids for i in active], turn_sampling, seed)
 
-        calling: list[tuple[int, list[ToolCall]]] = []
-        for i, sample in zip(active, samples):
-            calls, budget_hit, length_cut = _add_turn(out[i], sample, room[i], turn, chat, eos_ids)
-            if budget_hit:
-                finish(i, "max_tokens", True)
-            elif not calls:
-                finish(i, "answer", length_cut)
-            elif turn == task.max_turns - 1:
-                finish(i, "max_turns", length_cut)
-            else:
-                calling.append((i, calls))
+            calling: list[tuple[int, list[ToolCall]]] = []
+            for i, sample in zip(active, samples):
+                calls, budget_hit, length_cut = _add_turn(out[i], sample, room[i], turn, chat, eos_ids)
+                if budget_hit:
+                    finish(i, "max_tokens", True)
+                elif not calls:
+                    finish(i, "answer", length_cut)
+                elif turn == task.max_turns - 1:
+                    finish(i, "max_turns", length_cut)
+                else:
+                    calling.append((i, calls))
 
-        results = iter(call_tools([c for _, calls in calling for c in calls], task.tools, tool_timeout))
-        active = []
-        for i, calls in calling:
-            ep = out[i]
-            done = [next(results) for _ in calls]
-            tool_messages = [Message("tool", r.content, tool_call_id=c.id, name=c.name) for c, r in zip(calls, done)]
-            ids = chat.encode(chat.tool_turn(ep.messages, tool_messages))
-            if len(ep.token_ids) + len(ids) + 1 + reserve > max_total_tokens:
-                finish(i, "max_tokens", True)  # the results do not fit: the episode ends without them
-                continue
-            ep.messages += tool_messages
-            ep.extend(ids)
-            ep.num_tool_calls += len(calls)
-            ep.num_tool_errors += sum(r.error for r in done)
-            active.append(i)
+            results = iter(call_tools([c for _, calls in calling for c in calls], task.tools, tool_timeout))
+            active = []
+            for i, calls in calling:
+                ep = out[i]
+                done = [next(results) for _ in calls]
+                tool_messages = [Message("tool", r.content, tool_call_id=c.id, name=c.name) for c, r in zip(calls, done)]
+                ids = chat.encode(chat.tool_turn(ep.messages, tool_messages))
+                if len(ep.token_ids) + len(ids) + 1 + reserve > max_total_tokens:
+                    finish(i, "max_tokens", True)  # the results do not fit: the episode ends without them
+                    continue
+                ep.messages += tool_messages
+                ep.extend(ids)
+                ep.num_tool_calls += len(calls)
+                ep.num_tool_errors += sum(r.error for r in done)
+                active.append(i)
     return out
 
 

@@ -8,13 +8,22 @@ run's rewards, then aggregated into `evals` rows:
   reward_mean       mean metric reward (null rewards count as 0)
   pass@k            (samples > 1) fraction of prompts with at least one success among k samples
   mean_turns        assistant turns per episode
+  tool_calls        tool calls per episode
   tool_call_validity fraction of tool calls that did not produce an error message (when any)
   answer_rate       fraction of episodes that ended with an answer
+  out_of_turns      fraction of episodes whose last allowed turn still called a tool
+
+`compare` sets two policies' latest evaluations side by side, prompt by prompt, with a bootstrap interval
+on the accuracy difference (`rlops eval compare`).
 """
 
 from __future__ import annotations
 
+import json
+import random
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +32,9 @@ from stages import score as score_stage
 from stages.common import ArtifactRef, StageContext, run_stage
 from stages.reward_ref import RewardRef
 from storage.schema import EvalRow, to_table
+
+if TYPE_CHECKING:
+    from storage.workspace import Workspace
 
 
 class EvalConfig(BaseModel):
@@ -56,7 +68,8 @@ def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_sta
 
     return run_stage(ctx, "evaluate", "evals", [policy_id, batch.id, scored.id],
                      {"eval": config, "metric": str(metric)}, body,
-                     meta={"policy_id": policy_id, "split": config.split})
+                     meta={"policy_id": policy_id, "split": config.split, "metric": str(metric),
+                           "success_threshold": config.success_threshold, "rollouts": batch.id})
 
 
 def _task_prompts(task: rollout_stage.TaskSpec, split: str) -> list:
@@ -80,6 +93,8 @@ def _metrics(ctx: StageContext, batch_id: str, metric: RewardRef, config: EvalCo
         "reward_mean": sum(r["value"] or 0.0 for r in rows) / n,
         "mean_turns": sum(r["num_turns"] for r in rows) / n,
         "answer_rate": sum(r["finish_reason"] == "answer" for r in rows) / n,
+        "tool_calls": sum(r["num_tool_calls"] for r in rows) / n,
+        "out_of_turns": sum(r["finish_reason"] == "max_turns" for r in rows) / n,
     }
     calls = sum(r["num_tool_calls"] for r in rows)
     if calls:
@@ -90,3 +105,81 @@ def _metrics(ctx: StageContext, batch_id: str, metric: RewardRef, config: EvalCo
             by_group[r["group_id"]] |= ok
         out[f"pass@{config.samples}"] = sum(by_group.values()) / len(by_group)
     return out
+
+
+@dataclass
+class Comparison:
+    """Policy b against policy a on the prompts both latest evaluations share (`compare`)."""
+
+    policy_a: str
+    policy_b: str
+    metric: str  # the reward behind accuracy, name@version
+    prompts: int  # prompts evaluated for both
+    accuracy_a: float  # mean over those prompts of each prompt's success rate
+    accuracy_b: float
+    low: float  # 95 % bootstrap interval of accuracy_b - accuracy_a, resampling prompts
+    high: float
+
+    @property
+    def difference(self) -> float:
+        return self.accuracy_b - self.accuracy_a
+
+
+def compare(ws: Workspace, policy_a: str, policy_b: str, split: str | None = None, resamples: int = 10_000,
+            seed: int = 0) -> Comparison:
+    """Compare the latest complete evaluations of two policies (on `split`, default: any) prompt by prompt.
+
+    Each prompt's success rate (the share of its samples whose metric reward reaches the threshold) is
+    paired across the two policies, and the interval is a percentile bootstrap over prompts: it covers
+    the question-to-question spread, which a difference of two accuracies measured on the same few dozen
+    questions must be judged against. Both evaluations must use the same reward and threshold, or the
+    comparison is refused."""
+    evals = [_latest_eval(ws, p, split) for p in (policy_a, policy_b)]
+    if (evals[0]["metric"], evals[0]["success_threshold"]) != (evals[1]["metric"], evals[1]["success_threshold"]):
+        raise ValueError(f"the latest evaluations of {policy_a} and {policy_b} use different metrics "
+                         f"({evals[0]['metric']} >= {evals[0]['success_threshold']} vs "
+                         f"{evals[1]['metric']} >= {evals[1]['success_threshold']}): nothing to pair")
+    rates = [_success_by_prompt(ws, e) for e in evals]
+    shared = sorted(set(rates[0]) & set(rates[1]))
+    if not shared:
+        raise ValueError(f"the latest evaluations of {policy_a} and {policy_b} share no prompt")
+    a, b = [rates[0][p] for p in shared], [rates[1][p] for p in shared]
+    low, high = bootstrap_interval([y - x for x, y in zip(a, b)], resamples, seed)
+    n = len(shared)
+    return Comparison(policy_a, policy_b, evals[0]["metric"], n, sum(a) / n, sum(b) / n, low, high)
+
+
+def bootstrap_interval(values: list[float], resamples: int = 10_000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values`: resample them with replacement `resamples`
+    times (seeded) and take the central `level` of the resampled means."""
+    rng, n = random.Random(seed), len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    tail = (1 - level) / 2
+    return means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def _latest_eval(ws: Workspace, policy_id: str, split: str | None) -> dict:
+    """The newest complete evals artifact of `policy_id` that records its rollouts and metric (meta)."""
+    rows = ws.query(
+        "SELECT meta FROM artifacts WHERE kind = 'evals' AND status = 'complete' "
+        "AND json_extract_string(meta, '$.policy_id') = $policy "
+        "AND json_extract_string(meta, '$.rollouts') IS NOT NULL "
+        "AND ($split IS NULL OR json_extract_string(meta, '$.split') = $split) "
+        "ORDER BY completed_at DESC LIMIT 1", {"policy": policy_id, "split": split}).to_pylist()
+    if not rows:
+        raise ValueError(f"no evaluation of {policy_id}" + (f" on {split!r}" if split else "") +
+                         " that records its rollouts (evaluations made before this was recorded need a rerun)")
+    return json.loads(rows[0]["meta"])
+
+
+def _success_by_prompt(ws: Workspace, meta: dict) -> dict[str, float]:
+    """prompt_id -> the share of its eval samples that succeeded (a missing reward counts as a failure)."""
+    metric = RewardRef.parse(meta["metric"])
+    rows = ws.query(
+        "SELECT r.prompt_id, avg(CASE WHEN coalesce(w.value, 0) >= $threshold - 1e-9 THEN 1.0 ELSE 0.0 END) AS rate "
+        "FROM rollouts r LEFT JOIN rewards w ON w.rollout_id = r.rollout_id AND w.reward_name = $name "
+        "AND w.reward_version = $version WHERE r.batch_id = $batch GROUP BY r.prompt_id",
+        {"threshold": meta["success_threshold"], "name": metric.name, "version": metric.version,
+         "batch": meta["rollouts"]}).to_pylist()
+    return {r["prompt_id"]: r["rate"] for r in rows}

@@ -14,6 +14,8 @@ torch, transformers and vllm are imported inside the functions that need them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -149,12 +151,16 @@ class _InverseCDFSampler:
 class HFBackend:
     """Batched sampling with `transformers`' `generate` (left padding, seeded, CPU or GPU)."""
 
-    def __init__(self, model: Any, tokenizer: Any, share_prompts: bool = True) -> None:
+    def __init__(self, model: Any, tokenizer: Any, share_prompts: bool = True, reuse_turns: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         # Identical prompts in a batch (the G samples of a group, on their first turn) are prefilled once
         # and their key/value cache copied to every row that shares them (`_shared_prefill`).
         self.share_prompts = share_prompts
+        # Inside `conversation()`, a prompt that extends a row of the previous call (an agent's next turn)
+        # prefills only its new tokens (`_reuse_prefill`).
+        self.reuse_turns = reuse_turns
+        self._kept: _KeptCache | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 
@@ -200,12 +206,40 @@ class HFBackend:
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(sampling.seed if seed is None else seed)
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-            if self.share_prompts:
-                kwargs.update(self._shared_prefill(prompt_token_ids, input_ids, attention_mask))
-            sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)  # (B, P + n)
+            keep = self._kept is not None
+            prefill = self._kept.prefill(prompt_token_ids, width) if keep else {}
+            if not prefill and self.share_prompts:
+                prefill = self._shared_prefill(prompt_token_ids, input_ids, attention_mask)
+            kwargs.update(prefill, return_dict_in_generate=keep)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            sequences = out.sequences if keep else out  # (B, P + n)
             new = sequences[:, width:]  # (B, n)
             logprobs = recorder.finish(new[:, -1])  # (B, n)
-        return [self._sample(ids, lps, sampling) for ids, lps in zip(new.tolist(), logprobs.tolist())]
+        samples = [self._sample(ids, lps, sampling) for ids, lps in zip(new.tolist(), logprobs.tolist())]
+        if keep:
+            name = "cache" if hasattr(out, "cache") else "past_key_values"  # transformers 5 renamed it
+            kept = [p + s.token_ids for p, s in zip(prompt_token_ids, samples)]
+            self._kept.keep(kept, width, prompt_token_ids, getattr(out, name), name)
+        return samples
+
+    @contextmanager
+    def conversation(self) -> Iterator[None]:
+        """Keep each generate call's key/value cache until the next call, for as long as the block runs.
+
+        A prompt that begins with a kept row's tokens (an agent episode's next turn: its previous prompt, the
+        sampled turn, then tool results) then prefills only what is new, instead of the whole conversation
+        again; vLLM gets the same from its prefix cache. Sampling is unchanged: the same tokens and log-probs
+        up to float rounding. The cache holds one policy's keys and values, so the block must not span a
+        change of adapter; the agent loop opens one per `run_episodes`. Nothing is kept with `reuse_turns`
+        off, or for a model whose cache is not a plain full-attention `DynamicCache`."""
+        if not self.reuse_turns or self._kept is not None:
+            yield
+            return
+        self._kept = _KeptCache()
+        try:
+            yield
+        finally:
+            self._kept = None
 
     def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
         """When rows repeat a prompt: run the distinct prompts (all but their last token) once and give
@@ -254,6 +288,78 @@ class HFBackend:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
         return lo
+
+
+class _KeptCache:
+    """The key/value cache of the last generate call and which tokens each of its rows holds (`HFBackend.conversation`)."""
+
+    def __init__(self) -> None:
+        self.cache: Any = None  # a DynamicCache, (B_old, heads, T_old, head_dim) per layer, left-padded rows
+        self.rows: list[tuple[Any, int]] = []  # per old row: (its cached tokens as a numpy array, first column)
+        self.name = "cache"  # generate's keyword for it
+
+    def keep(self, tokens: list[list[int]], width: int, prompts: list[list[int]], cache: Any, name: str) -> None:
+        """Remember `cache` from a batch of left-padded prompts (`width` columns): row r holds `tokens[r]` (prompt
+        + sampled turn) from column width - len(prompts[r]), up to the cache's length (the last token sampled
+        in the batch was never fed back, so its keys are missing)."""
+        import numpy as np
+        from transformers.cache_utils import DynamicLayer
+
+        self.cache, self.rows = None, []
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            return  # sliding-window, static or quantized caches: not reused
+        length = cache.get_seq_length()
+        for ids, prompt in zip(tokens, prompts):
+            start = width - len(prompt)
+            self.rows.append((np.asarray(ids[: length - start], dtype=np.int64), start))
+        self.cache, self.name = cache, name
+
+    def prefill(self, prompts: list[list[int]], width: int) -> dict[str, Any]:
+        """A cache for this batch built from the kept rows: each prompt's longest kept prefix, aligned so that
+        only the last `new` columns of every row still need a forward pass; {} when nothing is kept or
+        matches. Left padding fixes the layout: rows end together, so the uncached block is as wide as
+        the longest uncached suffix, and a row with a shorter one recomputes a few cached tokens."""
+        import numpy as np
+        import torch
+
+        if self.cache is None:
+            return {}
+        matched = [self._longest_prefix(np.asarray(p, dtype=np.int64)) for p in prompts]  # (old row, length)
+        new = max(len(p) - n for p, (_, n) in zip(prompts, matched))  # >= 1: the last prompt token is never cached
+        cached = width - new
+        if cached < 1 or all(n == 0 for _, n in matched):
+            return {}
+        source_row = torch.zeros(len(prompts), dtype=torch.long)  # (B,)
+        source_col = torch.zeros(len(prompts), cached, dtype=torch.long)  # (B, cached); padding reads column 0
+        for i, (p, (row, _)) in enumerate(zip(prompts, matched)):
+            k = len(p) - new  # this row's tokens inside the cached columns (<= its match)
+            if k > 0:
+                source_row[i] = row
+                source_col[i, cached - k :] = torch.arange(self.rows[row][1], self.rows[row][1] + k)
+        device = self.cache.layers[0].keys.device
+        source_row, source_col = source_row.to(device)[:, None], source_col.to(device)
+        for layer in self.cache.layers:  # (B_old, H, T_old, D) -> (B, H, cached, D)
+            layer.keys = layer.keys.transpose(1, 2)[source_row, source_col].transpose(1, 2).contiguous()
+            layer.values = layer.values.transpose(1, 2)[source_row, source_col].transpose(1, 2).contiguous()
+        cache, self.cache, self.rows = self.cache, None, []  # the new call's cache replaces it when it ends
+        return {self.name: cache}
+
+    def _longest_prefix(self, prompt: Any) -> tuple[int, int]:
+        """(kept row, n): the kept row sharing the longest prefix with `prompt`, and that prefix's length,
+        at most len(prompt) - 1 (generate needs one token to run)."""
+        import numpy as np
+
+        best = (0, 0)
+        for row, (ids, _) in enumerate(self.rows):
+            m = min(len(ids), len(prompt) - 1)
+            if m <= best[1]:
+                continue
+            differ = np.flatnonzero(ids[:m] != prompt[:m])
+            n = int(differ[0]) if differ.size else m
+            if n > best[1]:
+                best = (row, n)
+        return best
 
 
 class VLLMBackend:

@@ -42,6 +42,15 @@ def test_stage_commands_chain_by_printed_ids(tmp_path, tiny_model_dir):
     base_id = trained["parent_id"]
     compare = _rlops("eval", "compare", base_id, policy, *ws).stdout
     assert "accuracy" in compare and base_id in compare and policy in compare
+    paired = json.loads(_rlops("eval", "compare", base_id, policy, "--json", *ws).stdout.splitlines()[-1])
+    rates = {p: w.query(  # each prompt's success rate in the policy's eval rollouts, by hand
+        "SELECT r.prompt_id, avg(CASE WHEN w.value >= 1 THEN 1.0 ELSE 0.0 END) AS rate FROM rollouts r "
+        "JOIN rewards w USING (rollout_id) WHERE w.reward_name = 'correct' AND r.split = 'test' "
+        "AND r.policy_id = $p GROUP BY ALL", {"p": p}).to_pylist() for p in (base_id, policy)}
+    assert paired["prompts"] == 4 and paired["metric"].startswith("correct@")
+    for key, p in (("accuracy_a", base_id), ("accuracy_b", policy)):
+        assert abs(paired[key] - sum(r["rate"] for r in rates[p]) / 4) < 1e-9
+    assert paired["low"] <= paired["difference"] <= paired["high"]
     rewards = _rlops("rewards", "ls", *ws).stdout
     assert "correct" in rewards and "total" in rewards and policy in rewards  # where each version was used
     listing = _rlops("ls", "checkpoints", *ws).stdout

@@ -173,6 +173,49 @@ def test_run_episodes_matches_a_fresh_forward_pass(tiny_model_dir: Path) -> None
         handle.remove()
 
 
+def test_later_turns_reuse_the_previous_turns_cache(tiny_model_dir: Path) -> None:
+    """Each turn of an episode prefills only its new tokens (tool results, the next generation prompt), taking the
+    rest from the previous turn's key/value cache: the same episodes, token for token, as re-prefilling the
+    whole conversation every turn."""
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    handle = bias_towards(model, tokenizer, CALL, strength=12.0)
+    task = Task(
+        name="ping",
+        system_prompt="Call ping.",
+        prompts=lambda split: [],
+        tools={"ping": lambda: "pong " * 5},
+        tool_specs=[{"type": "function", "function": {"name": "ping", "description": "pong"}}],
+        max_turns=4,
+    )
+    specs = [EpisodeSpec(Prompt(f"p{k // 2}", f"Question {k // 2}" + "?" * k, {}), seed=k) for k in range(6)]
+    widths: list[int] = []  # tokens run through the model by each call that had more than one
+    hook = model.register_forward_pre_hook(
+        lambda m, a, k: widths.append(k["input_ids"].shape[1]) if k["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True,
+    )
+    try:
+        runs = {}
+        for reuse in (True, False):
+            widths.clear()
+            sampling = SamplingConfig(temperature=0.9, max_new_tokens=24, stop=("</tool_call>",))
+            backend = HFBackend(model, tokenizer, reuse_turns=reuse)
+            runs[reuse] = (run_episodes(backend, tokenizer, task, specs, sampling, max_total_tokens=600), list(widths))
+            assert backend._kept is None  # nothing is held once the episodes end
+    finally:
+        hook.remove()
+        handle.remove()
+    (reused, reused_widths), (fresh, fresh_widths) = runs[True], runs[False]
+    assert max(ep.num_turns for ep in fresh) >= 3  # the biased model called the tool over several turns
+    for a, b in zip(reused, fresh):
+        assert a.token_ids == b.token_ids and a.messages == b.messages and a.finish_reason == b.finish_reason
+        assert torch.allclose(torch.tensor(a.behavior_logprobs), torch.tensor(b.behavior_logprobs), atol=1e-5)
+    # Turn 1 is the same prefill; from turn 2 on, the fresh run prefills whole conversations, the reused one
+    # only the tokens added since the previous turn.
+    assert len(reused_widths) == len(fresh_widths) >= 3 and reused_widths[0] == fresh_widths[0]
+    for later_reused, later_fresh in zip(reused_widths[1:], fresh_widths[1:]):
+        assert later_reused < later_fresh / 2
+
+
 def test_load_policy_with_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
