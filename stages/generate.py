@@ -207,20 +207,28 @@ class HFBackend:
             torch.manual_seed(sampling.seed if seed is None else seed)
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             keep = self._kept is not None
-            prefill = self._kept.prefill(prompt_token_ids, width) if keep else {}
-            if not prefill and self.share_prompts:
-                prefill = self._shared_prefill(prompt_token_ids, input_ids, attention_mask)
-            kwargs.update(prefill, return_dict_in_generate=keep)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            cache = self._kept.prefill(prompt_token_ids, width) if keep else None
+            if cache is None and self.share_prompts:
+                cache = self._shared_prefill(prompt_token_ids, input_ids, attention_mask)
+            cache = _growing(cache if cache is not None else self._empty_cache())
+            if cache is not None:
+                kwargs[_cache_kwarg()] = cache
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      return_dict_in_generate=keep, **kwargs)
             sequences = out.sequences if keep else out  # (B, P + n)
             new = sequences[:, width:]  # (B, n)
             logprobs = recorder.finish(new[:, -1])  # (B, n)
         samples = [self._sample(ids, lps, sampling) for ids, lps in zip(new.tolist(), logprobs.tolist())]
         if keep:
-            name = "cache" if hasattr(out, "cache") else "past_key_values"  # transformers 5 renamed it
             kept = [p + s.token_ids for p, s in zip(prompt_token_ids, samples)]
-            self._kept.keep(kept, width, prompt_token_ids, getattr(out, name), name)
+            self._kept.keep(kept, width, prompt_token_ids, getattr(out, _cache_kwarg()))
         return samples
+
+    def _empty_cache(self) -> Any:
+        """A fresh cache for the model (generate would make the same one)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
 
     @contextmanager
     def conversation(self) -> Iterator[None]:
@@ -241,25 +249,25 @@ class HFBackend:
         finally:
             self._kept = None
 
-    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
+    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
         """When rows repeat a prompt: run the distinct prompts (all but their last token) once and give
-        every row a copy of its prompt's key/value cache (`past_key_values` for `generate`, which then
-        runs only the last prompt token per row). Nothing (an empty dict) when every prompt is distinct."""
+        every row a copy of its prompt's key/value cache (for `generate`, which then runs only the last
+        prompt token per row). None when every prompt is distinct."""
         import torch
 
         first: dict[tuple[int, ...], int] = {}
         rows = [first.setdefault(tuple(ids), i) for i, ids in enumerate(prompts)]
         if len(first) == len(prompts) or input_ids.shape[1] < 2:
-            return {}
+            return None
         distinct = torch.tensor(sorted(first.values()), device=input_ids.device)  # (U,) first row of each prompt
         slot = {row: k for k, row in enumerate(distinct.tolist())}
         ids, mask = input_ids[distinct, :-1], attention_mask[distinct, :-1]  # (U, P-1)
         # Left padding: positions count real tokens only, as generate computes them from the mask.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers 5 renamed it
+        cache = getattr(out, _cache_kwarg())
         cache.batch_select_indices(torch.tensor([slot[r] for r in rows], device=input_ids.device))  # (B, ...)
-        return {"cache" if hasattr(out, "cache") else "past_key_values": cache}
+        return cache
 
     def _sample(self, ids: list[int], lps: list[float], sampling: SamplingConfig) -> Sample:
         """Cut one generated row where it really ended (EOS, stop string, or max length); the rest
@@ -296,40 +304,37 @@ class _KeptCache:
     def __init__(self) -> None:
         self.cache: Any = None  # a DynamicCache, (B_old, heads, T_old, head_dim) per layer, left-padded rows
         self.rows: list[tuple[Any, int]] = []  # per old row: (its cached tokens as a numpy array, first column)
-        self.name = "cache"  # generate's keyword for it
 
-    def keep(self, tokens: list[list[int]], width: int, prompts: list[list[int]], cache: Any, name: str) -> None:
+    def keep(self, tokens: list[list[int]], width: int, prompts: list[list[int]], cache: Any) -> None:
         """Remember `cache` from a batch of left-padded prompts (`width` columns): row r holds `tokens[r]` (prompt
         + sampled turn) from column width - len(prompts[r]), up to the cache's length (the last token sampled
         in the batch was never fed back, so its keys are missing)."""
         import numpy as np
-        from transformers.cache_utils import DynamicLayer
 
         self.cache, self.rows = None, []
-        layers = getattr(cache, "layers", None)
-        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        if not _plain(cache):
             return  # sliding-window, static or quantized caches: not reused
         length = cache.get_seq_length()
         for ids, prompt in zip(tokens, prompts):
             start = width - len(prompt)
             self.rows.append((np.asarray(ids[: length - start], dtype=np.int64), start))
-        self.cache, self.name = cache, name
+        self.cache = cache
 
-    def prefill(self, prompts: list[list[int]], width: int) -> dict[str, Any]:
+    def prefill(self, prompts: list[list[int]], width: int) -> Any:
         """A cache for this batch built from the kept rows: each prompt's longest kept prefix, aligned so that
-        only the last `new` columns of every row still need a forward pass; {} when nothing is kept or
+        only the last `new` columns of every row still need a forward pass; None when nothing is kept or
         matches. Left padding fixes the layout: rows end together, so the uncached block is as wide as
         the longest uncached suffix, and a row with a shorter one recomputes a few cached tokens."""
         import numpy as np
         import torch
 
         if self.cache is None:
-            return {}
+            return None
         matched = [self._longest_prefix(np.asarray(p, dtype=np.int64)) for p in prompts]  # (old row, length)
         new = max(len(p) - n for p, (_, n) in zip(prompts, matched))  # >= 1: the last prompt token is never cached
         cached = width - new
         if cached < 1 or all(n == 0 for _, n in matched):
-            return {}
+            return None
         source_row = torch.zeros(len(prompts), dtype=torch.long)  # (B,)
         source_col = torch.zeros(len(prompts), cached, dtype=torch.long)  # (B, cached); padding reads column 0
         for i, (p, (row, _)) in enumerate(zip(prompts, matched)):
@@ -343,7 +348,7 @@ class _KeptCache:
             layer.keys = layer.keys.transpose(1, 2)[source_row, source_col].transpose(1, 2).contiguous()
             layer.values = layer.values.transpose(1, 2)[source_row, source_col].transpose(1, 2).contiguous()
         cache, self.cache, self.rows = self.cache, None, []  # the new call's cache replaces it when it ends
-        return {self.name: cache}
+        return cache
 
     def _longest_prefix(self, prompt: Any) -> tuple[int, int]:
         """(kept row, n): the kept row sharing the longest prefix with `prompt`, and that prefix's length,
@@ -360,6 +365,98 @@ class _KeptCache:
             if n > best[1]:
                 best = (row, n)
         return best
+
+
+def _cache_kwarg() -> str:
+    """What generate and forward call the key/value cache: `cache` since transformers 5, `past_key_values` before."""
+    from transformers.generation import utils
+
+    return getattr(utils, "ALL_CACHE_NAMES", ["past_key_values"])[0]
+
+
+def _plain(cache: Any) -> bool:
+    """Whether `cache` is a full-attention dynamic cache (every layer a plain or growing `DynamicLayer`)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, _growing_layer()) for layer in layers)
+
+
+def _growing(cache: Any) -> Any:
+    """`cache` with every layer appending in place (`_growing_layer`), or None when it is not `_plain` (a
+    sliding-window or hybrid model: generate then makes its own). A new cache has no layers yet: they are
+    made as the model first writes to them."""
+    from transformers.cache_utils import DynamicLayer
+
+    growing = _growing_layer()
+    if not getattr(cache, "layers", None):
+        if getattr(cache, "layer_class_to_replicate", None) is not DynamicLayer:
+            return None
+        cache.layer_class_to_replicate = growing
+        return cache
+    if not _plain(cache):
+        return None
+    cache.layers = [growing.holding(layer) for layer in cache.layers]
+    return cache
+
+
+_GROWING_LAYER: type | None = None
+
+
+def _growing_layer() -> type:
+    """A `DynamicLayer` that appends into a preallocated buffer. transformers' concatenates the whole cache
+    with each step's one new token, copying it all every decoding step, in every layer: with 32 rows of
+    ~600 tokens on 2 CPU cores that was most of a decoding step (docs/BENCHMARKS.md). This one copies
+    only the new token, and grows by doubling when full. `keys`/`values` stay views of the valid part, so
+    code reading them (attention, `_KeptCache`) sees a normal layer; anything that reassigns them
+    (`batch_select_indices`, a crop) is noticed at the next append, which then starts a new buffer."""
+    global _GROWING_LAYER
+    if _GROWING_LAYER is not None:
+        return _GROWING_LAYER
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        reserve = 128  # free slots allocated beyond what is written: a turn's decoding steps, usually
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._keys = self._values = None  # (B, H, capacity, D) buffers
+
+        @classmethod
+        def holding(cls, layer: Any) -> Any:
+            """A growing layer holding `layer`'s keys and values (copied into a buffer at the first append)."""
+            grown = cls()
+            if layer.is_initialized:
+                grown.lazy_initialization(layer.keys, layer.values)
+                grown.keys, grown.values = layer.keys, layer.values
+            return grown
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            old = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+            n = old + key_states.shape[-2]
+            owned = self._keys is not None and self.keys.data_ptr() == self._keys.data_ptr() \
+                and self.keys.shape[0] == self._keys.shape[0]
+            if not owned or n > self._keys.shape[-2]:
+                capacity = max(n + self.reserve, 2 * old)
+                self._keys, self._values = (self._buffer(current, new, old, capacity)
+                                            for current, new in ((self.keys, key_states), (self.values, value_states)))
+            self._keys[:, :, old:n] = key_states
+            self._values[:, :, old:n] = value_states
+            self.keys, self.values = self._keys[:, :, :n], self._values[:, :, :n]
+            return self.keys, self.values
+
+        @staticmethod
+        def _buffer(current: Any, new: Any, old: int, capacity: int) -> Any:
+            b, h, _, d = new.shape
+            buffer = new.new_empty(b, h, capacity, d)
+            if old:
+                buffer[:, :, :old] = current
+            return buffer
+
+    _GROWING_LAYER = GrowingLayer
+    return GrowingLayer
 
 
 class VLLMBackend:

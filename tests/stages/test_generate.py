@@ -232,3 +232,28 @@ def test_load_policy_with_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4)
     trainable, _ = load_policy(str(tiny_model_dir), adapter_dir=str(tmp_path), trainable=True)
     assert trainable.training and any(p.requires_grad for n, p in trainable.named_parameters() if "lora_" in n)
+
+
+def test_the_decoding_cache_appends_in_place() -> None:
+    """The cache layer generate uses holds what transformers' concatenating layer holds, but appends each new
+    token into a preallocated buffer (one allocation for a prompt and its decoding steps, not one per step),
+    and starts a new buffer when its tensors were replaced from outside (batch_select_indices)."""
+    from transformers import DynamicCache, LlamaConfig
+
+    from stages.generate import _growing
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    grown, plain = _growing(DynamicCache(config=config)), DynamicCache(config=config)
+    torch.manual_seed(0)
+    steps = [torch.randn(3, 1, n, 8) for n in (5, 1, 1, 1)]  # a prompt of 5, then 3 decoding steps
+    pointers = set()
+    for kv in steps:
+        keys, values = grown.update(kv, -kv, 0)
+        expected, _ = plain.update(kv, -kv, 0)
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+        pointers.add(keys.data_ptr())
+    assert len(pointers) == 1 and grown.get_seq_length() == 8
+    grown.batch_select_indices(torch.tensor([2, 0]))
+    plain.batch_select_indices(torch.tensor([2, 0]))
+    keys, _ = grown.update(steps[1][:2], steps[1][:2], 0)
+    assert torch.equal(keys, plain.update(steps[1][:2], steps[1][:2], 0)[0]) and keys.shape == (2, 1, 9, 8)
