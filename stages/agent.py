@@ -3,7 +3,9 @@
 Each turn, all still-active episodes generate together (one batched `Backend.generate` call); the
 tool calls they make are parsed with `tasks.base.parse_tool_calls` and run by the task's Python
 tools in threads with a per-call timeout; the results are appended and the next turn starts.
-An assistant turn without a tool call is the final answer.
+An assistant turn without a tool call is the final answer. With a backend that offers
+`conversation()` (the HF backend), each turn's key/value cache is kept for the next, so a turn
+prefills only the tool results and the new generation prompt, not the whole conversation again.
 
 Token ids are built incrementally, never by re-tokenizing the conversation afterwards:
 
