@@ -27,6 +27,13 @@ PARENT_TAG = "mlflow.parentRunId"  # what MLflow's UI uses to nest runs
 RUN_NAME_TAG = "mlflow.runName"
 
 
+
+def metric_key(name: str) -> str:
+    """`name` as an MLflow metric key: "@" becomes "_at_" (the evals' "pass@k"), and any other character
+    MLflow refuses (it takes letters, digits, "_", "-", ".", " ", ":" and "/") becomes "_"."""
+    name = name.replace("@", "_at_")
+    return "".join(c if c.isalnum() or c in "_-. :/" else "_" for c in name)
+
 class Tracker:
     """Creates and logs MLflow runs for one experiment."""
 
@@ -82,7 +89,8 @@ class Tracker:
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None,
                     timestamp_ms: int | None = None) -> None:
-        """Log finite numeric metrics (NaN/inf are skipped rather than poisoning charts).
+        """Log finite numeric metrics (NaN/inf are skipped rather than poisoning charts), under names MLflow
+        accepts (`metric_key`: "pass@4" is logged as "pass_at_4").
 
         A fixed `timestamp_ms` (e.g. when the logged thing was made) makes logging idempotent: MLflow
         keeps one row per (key, timestamp, step, value), so a resumed run re-logging a step adds nothing.
@@ -92,7 +100,7 @@ class Tracker:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-        batch = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()
+        batch = [Metric(metric_key(k), float(v), ts, step or 0) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and math.isfinite(float(v))]
         if batch:
             with self._writing():

@@ -28,3 +28,15 @@ def test_parent_and_child_runs_with_tags(ws):
     top = mlflow.get_run(parent)
     assert top.data.params["grpo.lr"] == "0.0001" and top.data.tags["rlops.run_name"] == "nightly"
     assert ws.settings.mlflow_uri.startswith("sqlite:///") and (ws.root / "mlflow.db").exists()
+
+
+def test_metric_names_mlflow_refuses_are_logged_under_a_safe_key(ws):
+    """An evaluation with several samples reports "pass@4"; MLflow refuses "@" in a metric name, which used
+    to fail the evaluate stage after its rollouts were scored."""
+    tracker = ws.tracker
+    parent = tracker.start_run("pipeline-sampled")
+    tracker.log_metrics(parent, {"pass@4": 0.5, "heldout/pass@4": 0.25, "accuracy": 0.125}, step=3)
+    tracker.end_run(parent)
+    mlflow.set_tracking_uri(ws.settings.mlflow_uri)
+    logged = mlflow.get_run(parent).data.metrics
+    assert logged == {"pass_at_4": 0.5, "heldout/pass_at_4": 0.25, "accuracy": 0.125}
