@@ -27,13 +27,13 @@ def main() -> None:
     ap.add_argument("--prompts", nargs="*", default=None)
     args = ap.parse_args()
 
-    from stages.evaluate import _latest_eval, _success_by_prompt
+    from stages.evaluate import latest_eval, success_by_prompt
     from stages.reward_ref import RewardRef
     from storage.workspace import Workspace
 
     ws = Workspace.open(Path(args.workspace))
-    metas = {p: _latest_eval(ws, p, None) for p in (args.before, args.after)}
-    rates = {p: _success_by_prompt(ws, m) for p, m in metas.items()}
+    metas = {p: latest_eval(ws, p, None) for p in (args.before, args.after)}
+    rates = {p: success_by_prompt(ws, m) for p, m in metas.items()}
     shared = sorted(set(rates[args.before]) & set(rates[args.after]))
     if args.prompts:
         chosen = args.prompts

@@ -134,12 +134,12 @@ def compare(ws: Workspace, policy_a: str, policy_b: str, split: str | None = Non
     the question-to-question spread, which a difference of two accuracies measured on the same few dozen
     questions must be judged against. Both evaluations must use the same reward and threshold, or the
     comparison is refused."""
-    evals = [_latest_eval(ws, p, split) for p in (policy_a, policy_b)]
+    evals = [latest_eval(ws, p, split) for p in (policy_a, policy_b)]
     if (evals[0]["metric"], evals[0]["success_threshold"]) != (evals[1]["metric"], evals[1]["success_threshold"]):
         raise ValueError(f"the latest evaluations of {policy_a} and {policy_b} use different metrics "
                          f"({evals[0]['metric']} >= {evals[0]['success_threshold']} vs "
                          f"{evals[1]['metric']} >= {evals[1]['success_threshold']}): nothing to pair")
-    rates = [_success_by_prompt(ws, e) for e in evals]
+    rates = [success_by_prompt(ws, e) for e in evals]
     shared = sorted(set(rates[0]) & set(rates[1]))
     if not shared:
         raise ValueError(f"the latest evaluations of {policy_a} and {policy_b} share no prompt")
@@ -159,7 +159,7 @@ def bootstrap_interval(values: list[float], resamples: int = 10_000, seed: int =
     return means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
 
 
-def _latest_eval(ws: Workspace, policy_id: str, split: str | None) -> dict:
+def latest_eval(ws: Workspace, policy_id: str, split: str | None) -> dict:
     """The newest complete evals artifact of `policy_id` that records its rollouts and metric (meta)."""
     rows = ws.query(
         "SELECT meta FROM artifacts WHERE kind = 'evals' AND status = 'complete' "
@@ -173,7 +173,7 @@ def _latest_eval(ws: Workspace, policy_id: str, split: str | None) -> dict:
     return json.loads(rows[0]["meta"])
 
 
-def _success_by_prompt(ws: Workspace, meta: dict) -> dict[str, float]:
+def success_by_prompt(ws: Workspace, meta: dict) -> dict[str, float]:
     """prompt_id -> the share of its eval samples that succeeded (a missing reward counts as a failure)."""
     metric = RewardRef.parse(meta["metric"])
     rows = ws.query(
