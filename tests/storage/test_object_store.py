@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from storage.workspace import Workspace
+from tests.netguard import die_with_parent
 from tests.ray_cluster import free_port
 from tests.storage.conftest import add_batch
 
@@ -32,7 +33,7 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, st
     port = free_port()
     log = open(tmp_path / "moto.log", "wb")
     proc = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     deadline = time.monotonic() + 60
     while True:
         try:
