@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flows.run_config import RunConfig
-from stages import evaluate, grpo, rollout, score, sft
+from stages import cluster, evaluate, grpo, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
 from stages.reward_ref import RewardRef
 from stages.session import PolicySession
@@ -97,9 +97,16 @@ def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: 
         return _train(cfg, ctx, call, start_policy, start_step, on_step)
 
 
+def ray_workers(cfg: RunConfig) -> dict[str, int]:
+    """What each stage of the run asks of Ray (stages.cluster.prepare checks it before any work)."""
+    return {"rollout.workers": cfg.rollout.workers, "score.workers": cfg.score.workers,
+            "grpo.workers": cfg.grpo.workers}
+
+
 def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | None, start_step: int,
            on_step: Callable[[dict[str, Any]], None]) -> TrainResult:
     ws = ctx.ws
+    cluster.prepare(ctx.ray, ray_workers(cfg))
     base = base_policy(ws, cfg.base_model)
     policy, sft_policy = start_policy or base, None
     if cfg.sft is not None and start_policy is None:
@@ -189,6 +196,7 @@ def retrain(cfg: RunConfig, ctx: StageContext, from_policy: str, run_name: str, 
     no generation; a new lineage branch trained on the config's current reward version."""
     policy, lineage = from_policy, []
     reward = RewardRef.configured(cfg.score, cfg.reward_name)
+    cluster.prepare(ctx.ray, ray_workers(cfg))
     with resident(ctx) as ctx:  # one model for every update of the replay
         for i, batches in enumerate(step_batches(ctx, run_name)):
             for batch in batches:  # a no-op when already rescored

@@ -18,15 +18,36 @@ this process's rlops packages travel as `py_modules`, so workers run exactly the
 the worker: the default model's cache, a hub id, or a folder every node can see), adapters and
 data from the workspace and data root, which must therefore be shared (NFS, or an `s3://` data
 root with credentials in every node's environment).
+
+Sharing the cluster between stages (a run never waits forever):
+- Rollout actors stay resident for a run but reserve **no CPU**: they compute only during rollout
+  stages, when nothing else of the run does. Each is pinned to a node that has CPUs, spread over
+  the nodes in proportion to their CPUs (`spread`). So resident actors never starve the score tasks
+  or the GRPO workers that run between rollouts.
+- Score tasks take 1 CPU each (they queue when there are fewer), GRPO's Ray Train workers
+  `grpo.workers` CPUs at once. Before either starts, `reserve` waits up to `placement_timeout_s` for
+  that many CPUs, then fails naming the numbers instead of hanging.
+- A local Ray has `local_cpus` logical CPUs (default: this machine's cores, raised to what one stage
+  needs at once): logical, so `grpo.workers: 2` runs on one core, slower but placed.
+
+Loopback by construction: a local Ray (no `address`) is always rlops' own (`address="local"`:
+neither `RAY_ADDRESS` nor `/tmp/ray/ray_current_cluster` makes it join another), and its node
+advertises LOCAL_NODE_IP. Ray rewrites 127.0.0.1 and "localhost" into the machine's interface
+address (`services.resolve_ip_for_localhost`), so node-to-node traffic would leave loopback; any
+other 127.x address is kept. A driver joining a cluster at a 127.x address takes that address as
+its own node address too. Gloo (DDP on CPU) is told to use `lo` there.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 PACKAGES = ("flows", "rewards", "stages", "storage", "tasks")  # what `ship_code` sends to workers
+LOCAL_NODE_IP = "127.0.0.2"  # a local Ray's node address: loopback, and not one Ray rewrites (see above)
 
 
 class RayConfig(BaseModel):
@@ -38,11 +59,30 @@ class RayConfig(BaseModel):
     runtime_env: dict[str, Any] = Field(default_factory=dict)  # Ray's runtime_env (env_vars, pip, ...) for every task
     namespace: str | None = None  # Ray namespace; None: Ray's anonymous one per driver
     ship_code: bool = True  # send this process's rlops packages to the workers (runtime_env py_modules)
+    local_cpus: int | None = Field(None, ge=1)  # a local Ray's logical CPUs; None: this machine's cores
+    # How long a stage waits for the CPUs it needs at once (busy or too small a cluster) before failing.
+    placement_timeout_s: float = Field(120.0, gt=0)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
 def runtime_env(config: RayConfig) -> dict[str, Any]:
-    """The runtime_env given to Ray: the configured one, plus the rlops packages when `ship_code`."""
+    """The runtime_env given to Ray: the configured one, plus the rlops packages when `ship_code`,
+    plus `GLOO_SOCKET_IFNAME=lo` on a loopback cluster (gloo otherwise binds the hostname's address)."""
     env = dict(config.runtime_env)
+    if config.address is None or _loopback(_host(config.address)):
+        env_vars = dict(env.get("env_vars", {}))
+        env_vars.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env["env_vars"] = env_vars
     if config.ship_code and config.address:
         import importlib
 
@@ -53,17 +93,93 @@ def runtime_env(config: RayConfig) -> dict[str, Any]:
 
 
 def connect(config: RayConfig, num_cpus: int) -> None:
-    """Initialise Ray in this process once: join `config.address`, or start a local Ray with `num_cpus`."""
+    """Initialise Ray in this process once: join `config.address`, or start a local Ray of rlops' own
+    with at least `num_cpus` logical CPUs (what the calling stage needs at once)."""
     import ray
 
     if ray.is_initialized():
         return
     if config.address:
+        host = _host(config.address)
         ray.init(address=config.address, runtime_env=runtime_env(config), namespace=config.namespace,
-                 log_to_driver=False)
+                 log_to_driver=False, _node_ip_address=host if _loopback(host) else None)
     else:
-        ray.init(num_cpus=num_cpus, runtime_env=runtime_env(config) or None, namespace=config.namespace,
-                 include_dashboard=False, log_to_driver=False)
+        cpus = max(config.local_cpus or os.cpu_count() or 1, num_cpus)
+        ray.init(address="local", num_cpus=cpus, runtime_env=runtime_env(config), namespace=config.namespace,
+                 include_dashboard=False, log_to_driver=False, _node_ip_address=LOCAL_NODE_IP)
+
+
+def cpu_nodes() -> list[tuple[str, float]]:
+    """(node id, CPUs) of the cluster's live nodes that have CPUs, largest first."""
+    import ray
+
+    nodes = [(n["NodeID"], n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n["Alive"]]
+    return sorted([n for n in nodes if n[1] > 0], key=lambda n: -n[1])
+
+
+def spread(n: int) -> list[tuple[str, int]]:
+    """Where `n` resident actors go: (node id, torch threads) each, over the nodes with CPUs in
+    proportion to their CPUs (each actor goes where CPUs per actor stay highest)."""
+    nodes = cpu_nodes()
+    if not nodes:
+        raise RuntimeError("the Ray cluster has no node with CPUs: rollout actors cannot be placed")
+    counts = {node: 0 for node, _ in nodes}
+    cpus = dict(nodes)
+    chosen = []
+    for _ in range(n):
+        node = max(counts, key=lambda k: (cpus[k] / (counts[k] + 1), -counts[k]))
+        counts[node] += 1
+        chosen.append(node)
+    return [(node, max(1, int(cpus[node] // counts[node]))) for node in chosen]
+
+
+def pinned(node_id: str) -> Any:
+    """A Ray scheduling strategy that places an actor on exactly `node_id`."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+def prepare(config: RayConfig, workers: dict[str, int]) -> None:
+    """Before a run's first stage: when a stage asks for Ray workers (`workers`: config key -> count),
+    start or join Ray now, a local one sized for the largest GRPO group, and fail at once, naming the
+    numbers, when the cluster can never place what the config asks. Rollout actors need a node with
+    CPUs, score tasks one CPU each (they queue), `grpo.workers` that many CPUs at once."""
+    if max(workers.values(), default=1) <= 1:
+        return
+    import ray
+
+    gang = workers.get("grpo.workers", 1)
+    connect(config, num_cpus=gang)
+    nodes = cpu_nodes()
+    total = sum(cpus for _, cpus in nodes)
+    where = f"the Ray cluster at {config.address}" if config.address else "the local Ray"
+    if not nodes:
+        raise RuntimeError(f"{where} has no node with CPUs; the run asks for {workers}")
+    if gang > total:
+        raise RuntimeError(f"grpo.workers: {gang} needs {gang} CPUs at once; {where} has {total:g} "
+                           f"({len(nodes)} node{'s' if len(nodes) > 1 else ''} with CPUs, {ray.cluster_resources()})")
+
+
+def reserve(cpus: int, what: str, timeout_s: float) -> None:
+    """Wait until `cpus` CPUs can be held at once (a placement group of 1-CPU bundles, released at once),
+    or raise naming the numbers: a stage that cannot be placed fails instead of waiting forever."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    total = ray.cluster_resources().get("CPU", 0.0)
+    need = f"{what} needs {cpus} CPU{'s' if cpus > 1 else ''}{' at once' if cpus > 1 else ''}"
+    if cpus > total:
+        raise RuntimeError(f"{need}; the Ray cluster has {total:g} in all")
+    group = placement_group([{"CPU": 1}] * cpus)
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        free = ray.available_resources().get("CPU", 0.0)
+        raise RuntimeError(f"{need}; the Ray cluster has {total:g}, {free:g} free, and none came free within "
+                           f"{timeout_s:g} s (ray.placement_timeout_s)") from None
+    finally:
+        remove_placement_group(group)
 
 
 def placement() -> str:

@@ -198,9 +198,10 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from stages.cluster import connect
+    from stages.cluster import connect, reserve
 
     connect(ctx.ray, num_cpus=workers)
+    reserve(workers, f"grpo.workers: {workers}", ctx.ray.placement_timeout_s)  # Ray Train starts them together
     use_gpu = torch.cuda.is_available()
     trainable = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
     mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()

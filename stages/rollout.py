@@ -14,7 +14,6 @@ run (tag `rlops.ray_workers`).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -24,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.cluster import connect
+from stages.cluster import connect, pinned, spread
 from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
 from stages.session import PolicySession
 from storage.checkpoints import local_copy
@@ -265,11 +264,14 @@ def _actors(config: RolloutConfig, base_model: str, task: TaskSpec, ctx: StageCo
     import ray
 
     def start(count: int, resident: bool) -> list[Any]:
-        connect(ctx.ray, num_cpus=config.workers)
-        threads = max(1, (os.cpu_count() or 1) // config.workers)
-        actor = ray.remote(num_cpus=1)(RolloutWorker)
-        return [actor.remote(config, base_model, task, threads, PolicySession() if resident else None)
-                for _ in range(count)]
+        # No CPU reserved: actors compute only during rollouts, and score tasks or GRPO workers must be
+        # placeable between them (stages/cluster.py). Each is pinned to a node with CPUs, its torch
+        # threads that node's CPUs shared among its actors.
+        connect(ctx.ray, num_cpus=1)
+        actor = ray.remote(num_cpus=0)(RolloutWorker)
+        return [actor.options(scheduling_strategy=pinned(node)).remote(config, base_model, task, threads,
+                                                                         PolicySession() if resident else None)
+                for node, threads in spread(count)]
 
     if ctx.session is None:
         return start(n, resident=False)

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from rewards.base import Outcome, RewardSpec, compute, fill_params, info, load_fn, reward_version, total_version, weighted_total
-from stages.cluster import connect
+from stages.cluster import connect, reserve
 from stages.common import CODE_VERSION, ArtifactRef, Operational, StageContext, run_stage
 from storage.ids import artifact_id, config_hash
 from storage.parquet import DataStore
@@ -159,6 +159,7 @@ def _outcomes_of(config: ScoreConfig, ctx: StageContext, todo: list[_Todo], plac
     import ray
 
     connect(ctx.ray, num_cpus=config.workers)
+    reserve(1, f"a score task (score.workers: {config.workers})", ctx.ray.placement_timeout_s)  # one task's CPU; more tasks queue for theirs
     task = ray.remote(_score_placed)
     units = [(i, t, rows) for i, t in enumerate(todo) for rows in _slices(t.rows, config.workers)]
     window = 2 * config.workers

@@ -4,19 +4,16 @@
         cluster.address, cluster.env                     # for a driver: the `ray:` address, the token
         cluster.worker_node_id, cluster.worker_pids()    # where work is expected to run
 
-Both nodes are `ray start --block` processes started here, advertising 127.0.0.1 (`--node-ip-address`
-on both: by default Ray advertises the machine's interface address), with every port chosen free
-(other Ray clusters may run on the same machine) and their own temp folder. The head has no CPUs,
-so every task and actor is placed on the worker node. Ray 2.60 enables token authentication on
-`ray start`: the cluster gets a fresh random token through `RAY_AUTH_TOKEN` (never the shared
-`~/.ray/auth_token`); drivers get it from `env`. Nodes are stopped by the process groups started
-here, never by name.
-
-Measured with Ray 2.60: the nodes advertise 127.0.0.1, but Ray rewrites a bootstrap address of
-127.0.0.1 into the machine's interface address before connecting to the head's GCS
-(`services.resolve_ip_for_localhost`), so those connections use that address; the kernel delivers
-them locally (they never leave the machine). Ray's switch to keep it on 127.0.0.1
-(`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) also forbids a second node.
+Both nodes are `ray start --block` processes started here, advertising NODE_IP (`--node-ip-address` on
+both), with every port chosen free (other Ray clusters may run on the same machine) and their own temp
+folder. NODE_IP is a loopback address that Ray keeps as given: it rewrites 127.0.0.1 and "localhost"
+into the machine's interface address before connecting (`services.resolve_ip_for_localhost`), which
+would send node-to-GCS traffic past loopback. A driver joining at NODE_IP takes it as its own node
+address (stages.cluster.connect). The head has no CPUs, so every task and actor is placed on the worker
+node. Ray 2.60 enables token authentication on `ray start`: the cluster gets a fresh random token
+through `RAY_AUTH_TOKEN` (never the shared `~/.ray/auth_token`); drivers get it from `env`. Nodes are
+stopped by the process groups started here, never by name; each `ray start` also gets SIGTERM when
+the process that started it dies (PR_SET_PDEATHSIG), so a killed test run leaves no cluster behind.
 """
 
 from __future__ import annotations
@@ -33,7 +30,10 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
+from tests.netguard import die_with_parent
+
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
+NODE_IP = "127.0.0.2"  # as stages.cluster.LOCAL_NODE_IP: loopback, and not rewritten by Ray
 
 
 def free_port() -> int:
@@ -48,7 +48,7 @@ class LocalRayCluster:
         self.timeout_s = timeout_s
         self.token = uuid.uuid4().hex
         self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{NODE_IP}:{self.port}"
         # Short: Ray puts unix sockets under it (107-byte path limit).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rlray-", dir="/tmp"))
         self.env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
@@ -65,9 +65,10 @@ class LocalRayCluster:
 
     def _start(self, args: list[str], log: str) -> subprocess.Popen:
         out = open(self.temp_dir / log, "wb")
-        proc = subprocess.Popen([RAY_BIN, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+        proc = subprocess.Popen([RAY_BIN, "start", "--block", f"--node-ip-address={NODE_IP}", "--disable-usage-stats",
                                  *self._node_ports(), *args], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # own process group: stopped together, by pid
+                                start_new_session=True,  # own process group: stopped together, by pid
+                                preexec_fn=die_with_parent)
         self.procs.append(proc)
         return proc
 
@@ -86,8 +87,8 @@ class LocalRayCluster:
 
     def _wait_for(self, ready) -> list[dict]:
         """Poll the cluster's node list (a short-lived driver in a subprocess) until `ready(nodes)`."""
-        probe = ("import json, ray; ray.init(address='%s', log_to_driver=False); "
-                 "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % self.address)
+        probe = ("import json, ray; ray.init(address='%s', log_to_driver=False, _node_ip_address='%s'); "
+                 "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % (self.address, NODE_IP))
         deadline = time.monotonic() + self.timeout_s
         while True:
             for p in self.procs:

@@ -1,5 +1,6 @@
 """A pipeline step on a real two-node Ray cluster (`ray start --head` + `ray start --address=...`):
-rollout, scoring and a 2-worker DDP GRPO update.
+rollout, scoring and a 2-worker DDP GRPO update; and whole runs where every stage asks for 2 Ray
+workers on 2 CPUs (the run's resident rollout actors must not starve the score tasks and GRPO workers).
 
 The `rlops` driver runs as its own process, as a user runs it, with the cluster's token in its
 environment; the head node has no CPUs, so rollout actors and scoring tasks must run on the worker
@@ -84,3 +85,57 @@ def test_moved_ray_address_is_a_clear_config_error(tiny_model_dir):
     cfg["rollout"].pop("ray_address")
     cfg["ray"] = {"address": "127.0.0.1:6379", "runtime_env": {"env_vars": {"A": "1"}}}
     assert from_dict(cfg).ray.address == "127.0.0.1:6379"
+
+
+def _shared(model_dir, name: str, **ray: object) -> dict:
+    """A 2-step run whose every stage asks for 2 Ray workers (rollout actors stay resident for the run)."""
+    cfg = tiny_config(model_dir, name=name, steps=2)
+    cfg.pop("sft")
+    cfg["rollout"].update(workers=2, groups_per_shard=1)
+    cfg["score"]["workers"] = 2
+    cfg["grpo"] = {"workers": 2, "lr": 1e-3}
+    cfg["eval"]["every"] = 2
+    cfg["ray"] = {"placement_timeout_s": 60, **ray}  # a regression ends in an error, not a hang
+    return cfg
+
+
+@pytest.mark.slow
+def test_every_stage_with_two_ray_workers_shares_a_two_cpu_local_ray(tmp_path, tiny_model_dir):
+    import ray
+
+    from flows import pipeline
+    from flows.run_config import from_dict
+    from stages.common import StageContext
+
+    cfg = from_dict(_shared(tiny_model_dir, "shared-local", local_cpus=2))
+    ws = Workspace.open(tmp_path / "ws")
+    try:
+        result = pipeline.train(cfg, StageContext(ws, run_name=cfg.name, ray=cfg.ray))
+        assert ray.cluster_resources()["CPU"] == 2
+    finally:
+        ray.shutdown()
+    assert len(result.policies) == 2
+    assert ws.query("SELECT count(*) AS n FROM rollouts WHERE split = 'train'").to_pylist() == [{"n": 8}]
+
+
+@pytest.mark.slow
+def test_two_node_every_stage_with_two_ray_workers_and_a_run_too_big_for_the_cluster(tmp_path, tiny_model_dir):
+    with LocalRayCluster(worker_cpus=2, env={"PYTHONPATH": ""}) as cluster:
+        driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        too_big = _shared(tiny_model_dir, "too-big", address=cluster.address)
+        too_big["grpo"]["workers"] = 3
+        path = tmp_path / "too_big.yaml"
+        path.write_text(yaml.safe_dump(too_big))
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "big")],
+                             capture_output=True, text=True, timeout=600, env=driver_env)
+        assert out.returncode != 0
+        assert f"grpo.workers: 3 needs 3 CPUs at once; the Ray cluster at {cluster.address} has 2" in out.stderr
+        assert Workspace.open(tmp_path / "big").query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
+
+        path = tmp_path / "shared.yaml"
+        path.write_text(yaml.safe_dump(_shared(tiny_model_dir, "shared", address=cluster.address)))
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "ws")],
+                             capture_output=True, text=True, timeout=900, env=driver_env)
+        assert out.returncode == 0, out.stderr[-4000:]
+    ws = Workspace.open(tmp_path / "ws")
+    assert ws.query("SELECT count(*) AS n FROM checkpoints WHERE kind = 'grpo'").to_pylist() == [{"n": 2}]

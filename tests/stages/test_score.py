@@ -151,3 +151,33 @@ def test_a_large_batch_is_split_over_ray_workers_and_written_whole(env, monkeypa
     assert ws.query(query).to_pylist() == rows_one  # same rows, each reward artifact still one whole file
     parts = ws.catalog.get_artifact(score.run(config, ctx, [batch]).id)["meta"]["parts"][batch]
     assert [len(ws.catalog.artifact_files(p)) for p in parts.values()] == [1, 1, 1]
+
+
+def test_score_workers_that_cannot_be_placed_fail_within_the_bound(env):
+    """Ray workers that never get a CPU (here: an actor holds all of them) end in an error naming the
+    numbers after `ray.placement_timeout_s`, not in a hang; nothing is written."""
+    import ray
+
+    from stages.cluster import RayConfig, connect
+
+    ws, _, reward_file, _, batch = env
+    reward_file.write_text(CUSTOM)
+    config = score.ScoreConfig(rewards=[RewardSpec(fn="rewards.builtin.exact_match"), RewardSpec(fn=f"{reward_file}:long_answer")],
+                               workers=2)
+    connect(RayConfig(), num_cpus=2)
+    cpus = ray.cluster_resources()["CPU"]
+    hog = ray.remote(num_cpus=cpus)(_Hog).remote()
+    ray.get(hog.ready.remote())
+    try:
+        ctx = StageContext(ws, run_name="t", ray=RayConfig(placement_timeout_s=2))
+        with pytest.raises(RuntimeError, match=rf"a score task \(score.workers: 2\) needs 1 CPU; the Ray cluster has "
+                                               rf"{cpus:g}, 0 free, and none came free within 2 s"):
+            score.run(config, ctx, [batch])
+    finally:
+        ray.kill(hog)
+    assert ws.query("SELECT count(*) AS n FROM rewards").to_pylist() == [{"n": 0}]
+
+
+class _Hog:
+    def ready(self) -> bool:
+        return True
