@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -126,4 +128,5 @@ class _Timed:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

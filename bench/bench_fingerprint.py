@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 
 def main(model: str, repeats: int) -> None:
     from stages import model as model_module
@@ -38,6 +40,7 @@ def main(model: str, repeats: int) -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--repeats", type=int, default=5)

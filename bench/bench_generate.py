@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -140,4 +142,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

@@ -12,6 +12,8 @@ import resource
 import sys
 import time
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 
 def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: bool, share: bool) -> None:
     import torch
@@ -66,6 +68,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
 
 
 if __name__ == "__main__":
+    loopback.enter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=8)

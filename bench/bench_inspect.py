@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages import score  # noqa: E402
@@ -100,4 +102,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

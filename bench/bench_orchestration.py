@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -100,4 +102,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

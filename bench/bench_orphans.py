@@ -22,6 +22,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,4 +102,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

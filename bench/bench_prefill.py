@@ -17,6 +17,8 @@ import argparse
 import statistics
 import time
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,4 +72,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

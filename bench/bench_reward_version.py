@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rewards.base import RewardSpec, load_fn, reward_version  # noqa: E402
@@ -60,4 +62,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -142,6 +144,7 @@ def bench_grpo(model_name: str) -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["rollout", "grpo", "both"], default="both")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,4 +119,5 @@ def ttft(policy, repeats: int) -> str:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 import numpy as np
 import pyarrow as pa
 
@@ -171,4 +173,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.agent import call_tools  # noqa: E402
@@ -50,4 +52,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()

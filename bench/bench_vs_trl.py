@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import loopback  # bench/loopback.py: run under .ci/loopback
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -393,4 +395,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    loopback.enter()
     main()
