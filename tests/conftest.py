@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 
 pytest_plugins = ["tests.netguard"]  # loopback only, and no server outlives the suite
+# Before any test module imports mlflow: storage.tracking turns MLflow's usage reports off, as it does
+# for rlops itself (stages/cluster.py does the same for Ray's); the guard catches anything else.
+import storage.tracking  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session", autouse=True)
