@@ -44,7 +44,7 @@ def main() -> None:
     from stages.grpo import GRPOConfig
     from stages.grpo_data import Sample
     from stages.grpo_train import make_optimizer, train_on_batch
-    from stages.policy import load_policy
+    from stages.policy.load import load_policy
     from storage.workspace import Workspace
     from tasks.doc_search import make_task
 

@@ -38,7 +38,7 @@ def main() -> None:
     from stages import generate as gen
     from stages.agent import ChatFormat, EpisodeSpec, _turn_seed, run_episodes
     from stages.generate import HFBackend, SamplingConfig
-    from stages.policy import load_policy
+    from stages.policy.load import load_policy
     from storage.schema import Message
     from tasks.base import load_task
 

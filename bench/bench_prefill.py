@@ -31,7 +31,7 @@ def main() -> None:
 
     from stages.agent import ChatFormat
     from stages.generate import HFBackend, SamplingConfig
-    from stages.policy import load_policy
+    from stages.policy.load import load_policy
     from storage.schema import Message
     from tasks.base import load_task
 

@@ -211,7 +211,7 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     import transformers  # noqa: F401
 
     import stages.grpo_train
-    import stages.policy
+    import stages.policy.load
     import stages.session
     from flows.pipeline import resident
 
@@ -233,7 +233,7 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         ctx = StageContext(ws, run_name="bench")
         # Model loading: base (+ adapter) for generation, for the update, and adapter weight copies.
         loading = [0.0]
-        _timed(stages.policy, "load_policy", loading)
+        _timed(stages.policy.load, "load_policy", loading)
         _timed(stages.grpo_train, "_load_trainable", loading)
         _timed(stages.session.ResidentModel, "_load", loading)
         _timed(stages.session.ResidentModel, "fresh", loading)

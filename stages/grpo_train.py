@@ -238,7 +238,7 @@ def _set_activation_checkpointing(model: Any, on: bool) -> None:
 
 
 def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings) -> Any:
-    # Not stages.policy.load_policy: training needs no tokenizer (tokens come from the rollouts),
+    # Not stages.policy.load.load_policy: training needs no tokenizer (tokens come from the rollouts),
     # and wants fp32 weights on every device (load_policy picks bf16 on cuda).
     import torch
     from peft import PeftModel

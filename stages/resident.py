@@ -49,7 +49,7 @@ class ResidentPolicy:
             backend = VLLMBackend(base_model)
             return cls(backend, backend.tokenizer, engine, max_adapters)
         from stages.generate import HFBackend
-        from stages.policy import load_policy
+        from stages.policy.load import load_policy
 
         model, tokenizer = load_policy(base_model)
         return cls(HFBackend(model, tokenizer), tokenizer, engine, max_adapters)

@@ -111,7 +111,7 @@ class RolloutWorker:
             self.backend.use_adapter(policy_id, self.adapter_dir)
         elif self.session is None:
             from stages.generate import HFBackend
-            from stages.policy import load_policy
+            from stages.policy.load import load_policy
 
             self.backend = None  # the previous policy's model can go before the next one loads
             model, self.tokenizer = load_policy(self.base_model, self.adapter_dir)

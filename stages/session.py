@@ -141,7 +141,7 @@ class PolicySession:
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     def model(self, base_model: str, training: bool = False) -> ResidentModel:
-        """The resident model for `base_model`: as `stages.policy.load_policy` loads it for generation,
+        """The resident model for `base_model`: as `stages.policy.load.load_policy` loads it for generation,
         or in fp32 for an update (the same one on CPU)."""
         import torch
 
@@ -149,7 +149,7 @@ class PolicySession:
         dtype = "float32" if training or device == "cpu" else "bfloat16"
         key = (base_model, device, dtype)
         if key not in self.models:
-            from stages.policy import load_policy
+            from stages.policy.load import load_policy
 
             model, tokenizer = load_policy(base_model, device=device, dtype=dtype)
             self.models[key] = ResidentModel(model, tokenizer)

@@ -57,10 +57,10 @@ def _adapters(ws: Workspace, policies: list[str]) -> list[dict[str, Any]]:
 
 def test_resident_run_equals_stage_by_stage_from_files(tmp_path, tiny_model_dir, monkeypatch):
     import stages.grpo_train
-    import stages.policy
+    import stages.policy.load
 
     loads = {"generation": 0, "update": 0}
-    load_policy, load_trainable = stages.policy.load_policy, stages.grpo_train._load_trainable
+    load_policy, load_trainable = stages.policy.load.load_policy, stages.grpo_train._load_trainable
 
     def counted_policy(*a: Any, **k: Any) -> Any:
         loads["generation"] += 1
@@ -70,7 +70,7 @@ def test_resident_run_equals_stage_by_stage_from_files(tmp_path, tiny_model_dir,
         loads["update"] += 1
         return load_trainable(*a, **k)
 
-    monkeypatch.setattr(stages.policy, "load_policy", counted_policy)
+    monkeypatch.setattr(stages.policy.load, "load_policy", counted_policy)
     monkeypatch.setattr(stages.grpo_train, "_load_trainable", counted_trainable)
 
     cfg = _config(tiny_model_dir)

@@ -11,7 +11,7 @@ import torch
 
 from stages.agent import EpisodeSpec, run_episodes
 from stages.generate import HFBackend, SamplingConfig
-from stages.policy import load_policy
+from stages.policy.load import load_policy
 from tasks.base import Prompt, Task
 
 QUESTIONS = ["Hi", "What is 12 + 30? Answer with a number.", "Tell me a long story about a cat who lives in Paris."]

@@ -42,7 +42,7 @@ def test_a_two_segment_rollout_trains_like_its_segments_as_separate_rollouts(tin
     from position 0, not one long sequence where the second segment would attend to the first)."""
     from stages.grpo_train import _micro_batches
     from stages.logprobs import token_logprobs
-    from stages.policy import load_policy
+    from stages.policy.load import load_policy
 
     model, _ = load_policy(str(tiny_model_dir))
     ids = [1, 2, 3, 4, 5, 6, 7, 8]

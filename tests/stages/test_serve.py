@@ -84,7 +84,7 @@ def test_chat_with_tools_and_n(service):
 
 def test_episode_reuses_sampled_tokens_and_matches_template_and_fresh_logprobs(service, scripted_model_dir):
     from stages.logprobs import token_logprobs
-    from stages.policy import load_policy
+    from stages.policy.load import load_policy
 
     client = _client(service, "ep-tools")
     messages = _opening()
@@ -124,7 +124,7 @@ def test_episode_reuses_sampled_tokens_and_matches_template_and_fresh_logprobs(s
 
 def test_history_rewriting_agent_gives_segments_with_correct_masks(service, scripted_model_dir):
     from stages.logprobs import token_logprobs
-    from stages.policy import load_policy
+    from stages.policy.load import load_policy
 
     client = _client(service, "ep-rewrite")
     first = client.chat.completions.create(model="base", messages=_opening(), tools=TOOLS, max_tokens=40)
