@@ -1,4 +1,4 @@
-"""A base model's content fingerprint (stages.model.fingerprint): the first call hashes every file of the
+"""A base model's content fingerprint (stages.policy.model.fingerprint): the first call hashes every file of the
 model folder, later calls only stat them (the per-file hashes are cached by path + size + mtime).
 
 Run: `.venv/bin/python bench/bench_fingerprint.py [--model SmolLM2-135M-Instruct] [--repeats 5]`.
@@ -18,7 +18,7 @@ import loopback  # bench/loopback.py: run under .ci/loopback
 
 
 def main(model: str, repeats: int) -> None:
-    from stages import model as model_module
+    from stages.policy import model as model_module
 
     folder = Path(model_module.resolve_model(model))  # resolved with the real cache (the prepared model)
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

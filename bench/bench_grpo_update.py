@@ -24,7 +24,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
     from stages.grpo_train import train_on_batch
     from stages.lora import add_lora
     from stages.logprobs import token_logprobs
-    from stages.model import resolve_model
+    from stages.policy.model import resolve_model
 
     if threads:
         torch.set_num_threads(threads)

@@ -31,7 +31,7 @@ RUN = "bench-inspect"
 
 
 def build(ws: Workspace, batches: int, per_batch: int) -> None:
-    from stages.model import prepare_default_model
+    from stages.policy.model import prepare_default_model
 
     policy = base_policy(ws, str(prepare_default_model()))
     ids = []

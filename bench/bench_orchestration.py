@@ -27,7 +27,7 @@ def tiny_model(folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from stages.model import prepare_default_model
+    from stages.policy.model import prepare_default_model
 
     tok = AutoTokenizer.from_pretrained(prepare_default_model())
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

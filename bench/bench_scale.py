@@ -87,7 +87,7 @@ def bench_grpo(model_name: str) -> None:
     from stages.lora import add_lora
     from stages.grpo_workers import train
     from stages.logprobs import token_logprobs
-    from stages.model import resolve_model
+    from stages.policy.model import resolve_model
     from storage.workspace import Workspace
 
     torch.manual_seed(0)

@@ -42,7 +42,7 @@ def main() -> None:
     import pyarrow.compute as pc
     import torch
 
-    from stages.model import DEFAULT_MODEL, resolve_model
+    from stages.policy.model import DEFAULT_MODEL, resolve_model
     from stages.rollout import RolloutConfig, RolloutWorker, TaskSpec
     from tasks.base import load_task
 

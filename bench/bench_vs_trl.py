@@ -109,7 +109,7 @@ def run_trl(args: argparse.Namespace, tile: bool) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from rewards.builtin import last_number
-    from stages.model import prepare_default_model
+    from stages.policy.model import prepare_default_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -379,7 +379,7 @@ def main() -> None:
 
     from importlib.metadata import version
 
-    from stages.model import prepare_default_model
+    from stages.policy.model import prepare_default_model
 
     path = prepare_default_model()  # converted once, before any timing
     sides = {"both": ["trl", "trl-tile", *RLOPS_SIDES], "trl": ["trl", "trl-tile"], "rlops": list(RLOPS_SIDES)}[args.side]

@@ -60,7 +60,7 @@ def main() -> None:
     from flows.run_config import from_dict
     from stages import engine
     from stages.common import StageContext
-    from stages.model import prepare_default_model
+    from stages.policy.model import prepare_default_model
     from storage.workspace import Workspace
 
     assert torch.cuda.is_available(), "no CUDA device"

@@ -47,7 +47,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 @command("model")
 def cmd_model(args: argparse.Namespace) -> int:
-    from stages.model import prepare_default_model
+    from stages.policy.model import prepare_default_model
 
     path = prepare_default_model()
     print(json.dumps({"model_dir": str(path)}) if args.json else path)

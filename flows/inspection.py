@@ -326,6 +326,6 @@ def _tokenizer(base_model: str) -> Any:
     # The tokenizer of a policy's base model. The run page inspects every step: one load per base model.
     from transformers import AutoTokenizer
 
-    from stages.model import resolve_model
+    from stages.policy.model import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(base_model))

@@ -86,7 +86,7 @@ class RunConfig(BaseModel):
 
 def semantic_problems(cfg: RunConfig) -> list[str]:
     """Checks that need more than types: loadable task and rewards, files that exist, consistent sections."""
-    from stages.model import DEFAULT_MODEL
+    from stages.policy.model import DEFAULT_MODEL
     from tasks.base import TaskParamsError, load_task
 
     problems = []

@@ -127,10 +127,10 @@ def run_stage(
 def base_policy(ws: Workspace, base_model: str) -> str:
     """The policy id of a base model without adapter, registered in the catalog on first use.
 
-    The id covers the model's name and its content fingerprint (stages.model.fingerprint: config,
+    The id covers the model's name and its content fingerprint (stages.policy.model.fingerprint: config,
     weights and tokenizer files), so a folder whose weights change under the same name is a new
     base policy, and everything generated or trained from it gets new ids."""
-    from stages.model import fingerprint
+    from stages.policy.model import fingerprint
 
     identity_ = {"base_model": base_model, "fingerprint": fingerprint(base_model)}
     pid = make_id("base", [], identity_)

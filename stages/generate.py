@@ -473,7 +473,7 @@ class VLLMBackend:
     def __init__(self, base_model: str, max_lora_rank: int = 64, **engine_kwargs: Any) -> None:
         import vllm
 
-        from stages.model import resolve_model
+        from stages.policy.model import resolve_model
 
         self.llm = vllm.LLM(
             model=resolve_model(base_model),

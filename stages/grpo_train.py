@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.grpo_data import Sample
 from stages.lora import LoRASettings, add_lora
-from stages.model import resolve_model
+from stages.policy.model import resolve_model
 
 if TYPE_CHECKING:
     import torch

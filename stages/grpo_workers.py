@@ -115,7 +115,7 @@ def _worker_loop(args: dict[str, Any]) -> None:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from stages.model import resolve_model
+    from stages.policy.model import resolve_model
 
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()

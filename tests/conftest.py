@@ -28,7 +28,7 @@ def _few_threads() -> None:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The prepared SmolLM2-135M-Instruct folder (a no-op once prepared); used for its tokenizer."""
-    from stages.model import prepare_default_model
+    from stages.policy.model import prepare_default_model
 
     return prepare_default_model()
 

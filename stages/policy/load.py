@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.model import resolve_model
+from stages.policy.model import resolve_model
 
 
 def load_policy(

@@ -11,7 +11,7 @@ import pytest
 
 from flows import pipeline
 from flows.run_config import EvalSection
-from stages import model as model_module
+from stages.policy import model as model_module
 from stages import rollout
 from stages.common import StageContext, base_policy, identity
 from stages.evaluate import EvalConfig
