@@ -218,7 +218,7 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     from rewards.base import RewardSpec
     from stages import grpo, rollout, score
     from stages.common import StageContext, base_policy
-    from stages.lora import LoRASettings
+    from stages.policy.lora import LoRASettings
     from stages.reward_ref import RewardRef
     from storage.settings import Settings
     from storage.workspace import Workspace

@@ -25,7 +25,7 @@ from stages.common import Added, ArtifactRef, Operational, StageContext, identit
 from stages.grpo_data import read_training_data
 from stages import grpo_workers
 from stages.grpo_train import load_for_update, make_optimizer, save_update
-from stages.lora import LoRASettings
+from stages.policy.lora import LoRASettings
 from stages.reward_ref import RewardRef
 from storage.checkpoints import local_copy
 from storage.ids import config_hash

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.grpo_data import Sample
-from stages.lora import LoRASettings, add_lora
+from stages.policy.lora import LoRASettings, add_lora
 from stages.policy.model import resolve_model
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ compute the same thing, so artifact ids and results do not depend on it (tests/f
 - a base holds at most one peft LoRA adapter (`default`). Activating a policy copies its LoRA weights
   into it: from memory when this process trained them, else from the checkpoint's safetensors. An
   adapter with another LoRA shape (rank, targets) replaces the current one (`unload`, then a fresh
-  wrapper); a fresh adapter for a GRPO step from the base is initialised exactly as `stages.lora.add_lora`
+  wrapper); a fresh adapter for a GRPO step from the base is initialised exactly as `stages.policy.lora.add_lora`
   does (same seed), so it equals the file path's;
 - the base policy generates with the adapter disabled, which computes exactly the bare model;
 - dropout is off everywhere (eval mode for generation, `grpo_train._train_without_dropout` for updates);
@@ -105,8 +105,8 @@ class ResidentModel:
             self.model = get_peft_model(bare, copy.deepcopy(config))  # peft edits the config it is given
 
     def fresh(self, lora: Any) -> None:
-        """A new adapter initialised exactly as `stages.lora.add_lora` initialises one on a bare model."""
-        from stages.lora import add_lora
+        """A new adapter initialised exactly as `stages.policy.lora.add_lora` initialises one on a bare model."""
+        from stages.policy.lora import add_lora
 
         self.current = None
         bare = self.model.unload() if self.wrapped else self.model

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stages.checkpoints import Checkpoint, write_checkpoint
 from stages.common import ArtifactRef, StageContext, base_policy, identity, run_stage
-from stages.lora import LoRASettings
+from stages.policy.lora import LoRASettings
 from stages.policy.model import resolve_model
 from storage.ids import config_hash
 

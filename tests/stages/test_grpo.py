@@ -20,7 +20,7 @@ from stages.common import StageContext, base_policy
 from stages.grpo import GRPOConfig, run
 from stages.grpo_data import Sample, training_data
 from stages.grpo_train import train_on_batch
-from stages.lora import LoRASettings, add_lora
+from stages.policy.lora import LoRASettings, add_lora
 from stages.reward_ref import RewardRef
 from stages.logprobs import token_logprobs
 from storage.schema import RewardRow, Rollout, to_table

@@ -13,7 +13,7 @@ from stages.grpo import GRPOConfig
 from stages.grpo_data import Sample
 from stages.grpo_train import train_on_batch
 from stages.grpo_workers import scored_tokens, shard_weight, train
-from stages.lora import add_lora
+from stages.policy.lora import add_lora
 from storage.workspace import Workspace
 
 if TYPE_CHECKING:

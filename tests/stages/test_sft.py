@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from stages.common import ArtifactRef, StageContext, base_policy
-from stages.lora import LoRASettings
+from stages.policy.lora import LoRASettings
 from stages.sft import SFTConfig, build_trainer, load_conversations, run
 from storage.workspace import Workspace
 from tasks.base import parse_tool_calls

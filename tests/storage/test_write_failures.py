@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from stages.common import StageContext
-from stages.lora import LoRASettings
+from stages.policy.lora import LoRASettings
 from storage.schema import to_table
 from storage.workspace import Workspace
 from tests.factories import tool_episode
