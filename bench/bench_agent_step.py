@@ -40,7 +40,7 @@ def main() -> None:
 
     from stages.agent import EpisodeSpec, run_episodes
     from stages.common import resolve_policy
-    from stages.generate import HFBackend, SamplingConfig
+    from stages.policy.generate import HFBackend, SamplingConfig
     from stages.grpo import GRPOConfig
     from stages.grpo_data import Sample
     from stages.grpo_train import make_optimizer, train_on_batch

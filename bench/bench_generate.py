@@ -35,9 +35,9 @@ def main() -> None:
 
     import torch
 
-    from stages import generate as gen
+    from stages.policy import generate as gen
     from stages.agent import ChatFormat, EpisodeSpec, _turn_seed, run_episodes
-    from stages.generate import HFBackend, SamplingConfig
+    from stages.policy.generate import HFBackend, SamplingConfig
     from stages.policy.load import load_policy
     from storage.schema import Message
     from tasks.base import load_task

@@ -30,7 +30,7 @@ def main() -> None:
     import torch
 
     from stages.agent import ChatFormat
-    from stages.generate import HFBackend, SamplingConfig
+    from stages.policy.generate import HFBackend, SamplingConfig
     from stages.policy.load import load_policy
     from storage.schema import Message
     from tasks.base import load_task

@@ -33,7 +33,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
-from stages.generate import Backend, Sample, SamplingConfig, decode_turn
+from stages.policy.generate import Backend, Sample, SamplingConfig, decode_turn
 from storage.schema import Message, ToolCall
 from tasks.base import Prompt, Task, parse_tool_calls
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stages.generate import VLLMBackend
+    from stages.policy.generate import VLLMBackend
 
 _RESIDENT: dict[str, VLLMBackend] = {}  # base model -> its engine, for this process's run
 
@@ -29,7 +29,7 @@ _RESIDENT: dict[str, VLLMBackend] = {}  # base model -> its engine, for this pro
 def resident_vllm(base_model: str) -> VLLMBackend:
     """This process's vLLM engine for `base_model`, built on first use with sleep mode enabled."""
     if base_model not in _RESIDENT:
-        from stages.generate import VLLMBackend
+        from stages.policy.generate import VLLMBackend
 
         _RESIDENT[base_model] = VLLMBackend(base_model, enable_sleep_mode=True)
     return _RESIDENT[base_model]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from stages.generate import SamplingConfig
+from stages.policy.generate import SamplingConfig
 from stages.recorder import EpisodeLog, assemble, fingerprint
 from stages.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
 from stages.serve_api import ChatMessage

@@ -91,7 +91,7 @@ class RolloutWorker:
             self.tokenizer = self.backend.tokenizer
 
     def prepare_config(self, config: RolloutConfig) -> None:
-        from stages.generate import SamplingConfig
+        from stages.policy.generate import SamplingConfig
 
         self.config = config
         self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
@@ -110,7 +110,7 @@ class RolloutWorker:
         if config.backend == "vllm":
             self.backend.use_adapter(policy_id, self.adapter_dir)
         elif self.session is None:
-            from stages.generate import HFBackend
+            from stages.policy.generate import HFBackend
             from stages.policy.load import load_policy
 
             self.backend = None  # the previous policy's model can go before the next one loads
@@ -121,7 +121,7 @@ class RolloutWorker:
         """(backend, context to generate in) for the prepared policy."""
         if self.session is None or self.config.backend == "vllm":
             return self.backend, nullcontext()
-        from stages.generate import HFBackend
+        from stages.policy.generate import HFBackend
 
         resident, context = self.session.generation(self.base_model, self.policy_id, self.adapter_dir)
         self.tokenizer = resident.tokenizer

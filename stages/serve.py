@@ -40,7 +40,7 @@ from typing import Any, Callable
 from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
 
 from stages.agent import ChatFormat
-from stages.generate import Sample, SamplingConfig, decode_turn
+from stages.policy.generate import Sample, SamplingConfig, decode_turn
 from stages.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.resident import ResidentPolicy
 from stages.serve_api import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stages.agent import EpisodeSpec, run_episodes
-from stages.generate import HFBackend, SamplingConfig
+from stages.policy.generate import HFBackend, SamplingConfig
 from stages.policy.load import load_policy
 from tasks.base import Prompt, Task
 
@@ -74,7 +74,7 @@ def test_logprobs_match_a_fresh_forward_pass(policy: tuple[Any, Any], temperatur
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_the_fast_sampler_draws_from_the_softmax(temperature: float) -> None:
-    from stages.generate import _InverseCDFSampler
+    from stages.policy.generate import _InverseCDFSampler
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0, 0.5]]).repeat(40_000, 1)  # (N, V): one draw per row
     torch.manual_seed(0)
@@ -240,7 +240,7 @@ def test_the_decoding_cache_appends_in_place() -> None:
     and starts a new buffer when its tensors were replaced from outside (batch_select_indices)."""
     from transformers import DynamicCache, LlamaConfig
 
-    from stages.generate import _growing
+    from stages.policy.generate import _growing
 
     config = LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
     grown, plain = _growing(DynamicCache(config=config)), DynamicCache(config=config)
