@@ -85,7 +85,7 @@ class RolloutWorker:
 
             self.policy = ResidentPolicy.load(base_model, config.backend)  # one per worker; adapters by folder
         elif config.backend == "vllm":
-            from stages.engine import resident_vllm
+            from stages.policy.engine import resident_vllm
 
             self.backend = resident_vllm(base_model)  # built once per process, reused step after step
             self.tokenizer = self.backend.tokenizer
