@@ -286,7 +286,7 @@ def cmd_rewards(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from stages.resident import ResidentPolicy
+    from stages.policy.resident import ResidentPolicy
     from stages.serve import PolicyService, ServiceConfig, build_app, catalog_resolver, find_checkpoint
     from storage.settings import Settings
 

@@ -81,7 +81,7 @@ class RolloutWorker:
         self.backend: Any = None
         self.prepare_config(config)
         if self.task.agent is not None:  # an external agent: its episodes go through the policy service
-            from stages.resident import ResidentPolicy
+            from stages.policy.resident import ResidentPolicy
 
             self.policy = ResidentPolicy.load(base_model, config.backend)  # one per worker; adapters by folder
         elif config.backend == "vllm":

@@ -42,7 +42,7 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 from stages.agent import ChatFormat
 from stages.policy.generate import Sample, SamplingConfig, decode_turn
 from stages.recorder import Call, Completion, Recorder, assemble, chat_prompt
-from stages.resident import ResidentPolicy
+from stages.policy.resident import ResidentPolicy
 from stages.serve_api import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,
                               visible_text, without_tool_calls)
 from storage.schema import Message, ToolCall

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from stages.resident import ResidentPolicy
+from stages.policy.resident import ResidentPolicy
 from stages.serve import PolicyService, ServerThread, ServiceConfig, build_app, catalog_resolver, fixed_resolver
 from storage.schema import segment_bounds
 from storage.workspace import Workspace
