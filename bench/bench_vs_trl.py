@@ -212,7 +212,7 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
     import stages.grpo_train
     import stages.policy.load
-    import stages.session
+    import stages.policy.session
     from flows.pipeline import resident
 
     from rewards.base import RewardSpec
@@ -235,8 +235,8 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         loading = [0.0]
         _timed(stages.policy.load, "load_policy", loading)
         _timed(stages.grpo_train, "_load_trainable", loading)
-        _timed(stages.session.ResidentModel, "_load", loading)
-        _timed(stages.session.ResidentModel, "fresh", loading)
+        _timed(stages.policy.session.ResidentModel, "_load", loading)
+        _timed(stages.policy.session.ResidentModel, "fresh", loading)
         task = rollout.TaskSpec(name=TASK_NAME, params=TASK_PARAMS)
         rollout_cfg = rollout.RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=args.max_new_tokens,
                                             temperature=TEMPERATURE, groups_per_shard=PROMPTS)

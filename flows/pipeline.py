@@ -21,7 +21,7 @@ from flows.run_config import RunConfig
 from stages import cluster, evaluate, grpo, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
 from stages.reward_ref import RewardRef
-from stages.session import PolicySession
+from stages.policy.session import PolicySession
 
 Call = Callable[..., ArtifactRef]
 # What the per-step summary shows of the GRPO stage's metrics (besides the step's reward mean).
@@ -72,7 +72,7 @@ def _print_step(row: dict[str, Any]) -> None:
 
 @contextmanager
 def resident(ctx: StageContext, enabled: bool = True) -> Iterator[StageContext]:
-    """`ctx` with a resident policy (stages/session.py) for the block: the models the stages load stay
+    """`ctx` with a resident policy (stages/policy/session.py) for the block: the models the stages load stay
     in memory between stage calls and are released at the end. `enabled=False`, or a context that
     already has a session, gives `ctx` unchanged."""
     if not enabled or ctx.session is not None:

@@ -79,7 +79,7 @@ class StageContext:
     force: bool = False  # recompute even if a complete artifact exists
     tags: dict[str, str] = field(default_factory=dict)
     ray: RayConfig = field(default_factory=RayConfig)  # where Ray work runs (the run config's `ray:` section)
-    # The run's resident policy (stages.session.PolicySession): models stay loaded between stage calls.
+    # The run's resident policy (stages.policy.session.PolicySession): models stay loaded between stage calls.
     # None: each stage loads what it needs from files. Never part of an artifact's identity.
     session: Any = None
 

@@ -94,7 +94,7 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
         resident = None
         if ctx.session is None:
             model, optimizer = load_for_update(base_model, adapter_dir, config)
-        else:  # the run's resident model, holding the parent's adapter (stages/session.py)
+        else:  # the run's resident model, holding the parent's adapter (stages/policy/session.py)
             resident = ctx.session.for_update(base_model, parent_policy, adapter_dir, config.lora)
             model, optimizer = resident.model, make_optimizer(resident.model, adapter_dir, config)
 

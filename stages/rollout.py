@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stages.cluster import connect, pinned, spread
 from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
-from stages.session import PolicySession
+from stages.policy.session import PolicySession
 from storage.checkpoints import local_copy
 from storage.schema import Rollout, to_table
 from tasks.base import Prompt, content_digest, load_task
@@ -64,7 +64,7 @@ class RolloutWorker:
     """One policy replica that turns shards of groups into Arrow tables (in-process or as a Ray actor).
 
     Built once per (base model, task, backend); `prepare` points it at a policy and a rollout config
-    before each batch. With a `session` (stages.session) the base model stays resident across batches
+    before each batch. With a `session` (stages.policy.session) the base model stays resident across batches
     and only LoRA weights change; without one, `prepare` loads base + adapter from files.
     """
 

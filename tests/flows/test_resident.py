@@ -1,4 +1,4 @@
-"""The resident policy (stages/session.py): a run that keeps one model in memory computes exactly what
+"""The resident policy (stages/policy/session.py): a run that keeps one model in memory computes exactly what
 the same run computes stage by stage from files: the same artifact ids, metrics and adapter weights."""
 
 from __future__ import annotations
