@@ -60,7 +60,7 @@ class GRPOConfig(BaseModel):
     # trainer that runs the loss over every completion (TRL's GRPOTrainer); costs no forward pass.
     step_without_signal: bool = Added(False)
     # The samples of a group continue one prompt: run it once per micro-batch, not once per sample
-    # (stages.logprobs.shared_prefix_logprobs). The same log-probs up to float rounding (~1e-5).
+    # (stages.policy.logprobs.shared_prefix_logprobs). The same log-probs up to float rounding (~1e-5).
     share_prompts: bool = Operational(True)
     max_grad_norm: float = 1.0  # the common clip; a few outlier sequences cannot blow up a step
     weight_decay: float = 0.0  # decay on LoRA weights pulls toward the base for no measured gain (TRL's default)

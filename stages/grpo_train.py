@@ -38,7 +38,7 @@ class _MicroBatch:
 
     def logprobs(self, model: Any, temperature: float) -> torch.Tensor:
         """Per-token log-probs (b, T) of the rows at the scored positions (0 elsewhere)."""
-        from stages.logprobs import shared_prefix_logprobs, token_logprobs
+        from stages.policy.logprobs import shared_prefix_logprobs, token_logprobs
 
         if self.prefix is None:
             return token_logprobs(model, self.input_ids, self.attention_mask, self.mask, temperature)
@@ -224,7 +224,7 @@ _malloc_trim: Any = None
 
 
 def _set_activation_checkpointing(model: Any, on: bool) -> None:
-    from stages.logprobs import _causal_lm
+    from stages.policy.logprobs import _causal_lm
 
     lm = _causal_lm(model)
     active = lm.is_activation_checkpointing if hasattr(lm, "is_activation_checkpointing") else lm.is_gradient_checkpointing

@@ -128,11 +128,11 @@ def build_trainer(config: SFTConfig, model_path: str, train: list[list[dict[str,
     from trl import SFTConfig as TRLSFTConfig
     from trl import SFTTrainer
 
-    from stages.logprobs import token_logprobs
+    from stages.policy.logprobs import token_logprobs
 
     class AssistantLossTrainer(SFTTrainer):
         # TRL's fused LM head scores every position on devices without Triton (all of them on CPU, with
-        # entropy and accuracy on top); score only the assistant tokens, in chunks (stages/logprobs.py).
+        # entropy and accuracy on top); score only the assistant tokens, in chunks (stages/policy/logprobs.py).
         def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                          num_items_in_batch: Any = None) -> Any:
             mask = inputs["labels"] != -100  # (B, T): assistant tokens, TRL's labels are not shifted

@@ -22,7 +22,7 @@ from stages.grpo_data import Sample, training_data
 from stages.grpo_train import train_on_batch
 from stages.policy.lora import LoRASettings, add_lora
 from stages.reward_ref import RewardRef
-from stages.logprobs import token_logprobs
+from stages.policy.logprobs import token_logprobs
 from storage.schema import RewardRow, Rollout, to_table
 from storage.workspace import Workspace
 

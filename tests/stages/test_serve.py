@@ -83,7 +83,7 @@ def test_chat_with_tools_and_n(service):
 
 
 def test_episode_reuses_sampled_tokens_and_matches_template_and_fresh_logprobs(service, scripted_model_dir):
-    from stages.logprobs import token_logprobs
+    from stages.policy.logprobs import token_logprobs
     from stages.policy.load import load_policy
 
     client = _client(service, "ep-tools")
@@ -123,7 +123,7 @@ def test_episode_reuses_sampled_tokens_and_matches_template_and_fresh_logprobs(s
 
 
 def test_history_rewriting_agent_gives_segments_with_correct_masks(service, scripted_model_dir):
-    from stages.logprobs import token_logprobs
+    from stages.policy.logprobs import token_logprobs
     from stages.policy.load import load_policy
 
     client = _client(service, "ep-rewrite")

@@ -9,8 +9,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages import logprobs
-from stages.logprobs import token_logprobs
+from stages.policy import logprobs
+from stages.policy.logprobs import token_logprobs
 
 PAD = 0
 
