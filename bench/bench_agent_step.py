@@ -38,7 +38,7 @@ def main() -> None:
 
     import torch
 
-    from stages.agent import EpisodeSpec, run_episodes
+    from stages.policy.agent_loop import EpisodeSpec, run_episodes
     from stages.common import resolve_policy
     from stages.policy.generate import HFBackend, SamplingConfig
     from stages.grpo import GRPOConfig

@@ -4,7 +4,7 @@
 
 The same work both ways, through the real rollout stage worker: `prompts x group` doc_search
 episodes (4 x 8 = 32 concurrent episodes) on the train split,
-  - in-process: the built-in batched agent loop (stages/agent.py) with the task's BM25 tools;
+  - in-process: the built-in batched agent loop (stages/policy/agent_loop.py) with the task's BM25 tools;
   - served: examples/doc_search_openai/agent.py, a plain OpenAI tool-calling agent, run through the
     policy service (uvicorn on 127.0.0.1, the real openai client, requests batched by the service).
 Throughput is sampled tokens (loss_mask == 1) per second of the shard's wall time; the runs

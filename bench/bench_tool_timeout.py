@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_tool_timeout.py [--timeout 0.5] [--hang 5] [--repeats 5]
 
-Each repeat calls `stages.agent.call_tools` with one quick tool call and one call to a tool that
+Each repeat calls `stages.policy.agent_loop.call_tools` with one quick tool call and one call to a tool that
 sleeps `--hang` seconds, under a `--timeout`; the loop should return after about the timeout, not
 the hang. Printed: seconds per call (median), and that as a ratio to the timeout and to the hang.
 """
@@ -20,7 +20,7 @@ import loopback  # bench/loopback.py: run under .ci/loopback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.agent import call_tools  # noqa: E402
+from stages.policy.agent_loop import call_tools  # noqa: E402
 from storage.schema import ToolCall  # noqa: E402
 
 

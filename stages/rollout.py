@@ -147,7 +147,7 @@ class RolloutWorker:
             from stages.external import run_agent_shard
 
             return run_agent_shard(self, batch_id, split, groups, base_seed)
-        from stages.agent import EpisodeSpec, run_episodes
+        from stages.policy.agent_loop import EpisodeSpec, run_episodes
 
         G = self.config.group_size
         specs = [EpisodeSpec(p, base_seed + gi * G + s) for gi, p in groups for s in range(G)]

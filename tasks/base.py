@@ -92,7 +92,7 @@ def render_system_prompt(system_prompt: str, tool_specs: list[dict[str, Any]]) -
 
 def parse_tool_calls(text: str, turn: int) -> list[ToolCall]:
     """Tool calls in an assistant message. The arguments are kept as written (possibly malformed JSON);
-    `stages.agent.call_tools` reports what is wrong with them. An unclosed `<tool_call>` is read as one
+    `stages.policy.agent_loop.call_tools` reports what is wrong with them. An unclosed `<tool_call>` is read as one
     call from the rest of the text: a call when that is complete JSON (generation stopped at
     `</tool_call>`, which stop strings strip), a malformed call when it was cut off."""
     bodies = TOOL_CALL_RE.findall(text)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from stages.agent import EpisodeSpec, run_episodes
+from stages.policy.agent_loop import EpisodeSpec, run_episodes
 from stages.policy.generate import HFBackend, SamplingConfig
 from stages.policy.load import load_policy
 from tasks.base import Prompt, Task
