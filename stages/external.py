@@ -24,7 +24,7 @@ import pyarrow as pa
 from stages.policy.generate import SamplingConfig
 from stages.recorder import EpisodeLog, assemble, fingerprint
 from stages.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
-from stages.serve_api import ChatMessage
+from stages.service.schemas import ChatMessage
 from storage.schema import Message, Rollout, to_table
 from tasks.base import Prompt
 

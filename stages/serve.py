@@ -43,7 +43,7 @@ from stages.policy.agent_loop import ChatFormat
 from stages.policy.generate import Sample, SamplingConfig, decode_turn
 from stages.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.policy.resident import ResidentPolicy
-from stages.serve_api import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,
+from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,
                               visible_text, without_tool_calls)
 from storage.schema import Message, ToolCall
 from tasks.base import parse_tool_calls
