@@ -3,7 +3,7 @@
 For one shard of groups: serve the policy on 127.0.0.1 (a free port) with the run's sampling
 forced, run every episode of the shard concurrently through the user's `rollout(client, model,
 prompt)` with a real `openai.AsyncOpenAI` client whose requests carry the episode id, then turn
-each episode's recorded calls into one rollout row (stages/recorder.py: one segment when every
+each episode's recorded calls into one rollout row (stages/service/recorder.py: one segment when every
 prompt extended the last, several otherwise). Concurrent episodes share generate calls: the
 service batches whatever arrives together.
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from stages.policy.generate import SamplingConfig
-from stages.recorder import EpisodeLog, assemble, fingerprint
+from stages.service.recorder import EpisodeLog, assemble, fingerprint
 from stages.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
 from stages.service.schemas import ChatMessage
 from storage.schema import Message, Rollout, to_table

@@ -10,7 +10,7 @@ episode's recorded tokens, assembled as a rollout). The `model` field names a po
 id, `base`, or `RUN@latest`; adapters are hot-loaded by the resident policy.
 
 Episodes: a call is recorded under the episode id of its `X-Episode-Id` header, else of its `user`
-field; a call with neither is served but not recorded. See stages/recorder.py.
+field; a call with neither is served but not recorded. See stages/service/recorder.py.
 
 Batching: requests wait in a queue; the batcher thread takes the first, collects whatever else
 arrives within `batch_window_s`, and generates each group of requests with the same policy and
@@ -41,7 +41,7 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 
 from stages.policy.agent_loop import ChatFormat
 from stages.policy.generate import Sample, SamplingConfig, decode_turn
-from stages.recorder import Call, Completion, Recorder, assemble, chat_prompt
+from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.policy.resident import ResidentPolicy
 from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,
                               visible_text, without_tool_calls)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.recorder import Call, Completion, EpisodeLog, assemble
+from stages.service.recorder import Call, Completion, EpisodeLog, assemble
 from storage.schema import Message, segment_bounds
 
 
