@@ -287,7 +287,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from stages.policy.resident import ResidentPolicy
-    from stages.serve import PolicyService, ServiceConfig, build_app, catalog_resolver, find_checkpoint
+    from stages.service.serve import PolicyService, ServiceConfig, build_app, catalog_resolver, find_checkpoint
     from storage.settings import Settings
 
     snapshot = Settings.from_env(args.workspace).snapshot_dir / "checkpoints.parquet"

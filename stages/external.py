@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from stages.policy.generate import SamplingConfig
 from stages.service.recorder import EpisodeLog, assemble, fingerprint
-from stages.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
+from stages.service.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
 from stages.service.schemas import ChatMessage
 from storage.schema import Message, Rollout, to_table
 from tasks.base import Prompt

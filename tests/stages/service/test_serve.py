@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from stages.policy.resident import ResidentPolicy
-from stages.serve import PolicyService, ServerThread, ServiceConfig, build_app, catalog_resolver, fixed_resolver
+from stages.service.serve import PolicyService, ServerThread, ServiceConfig, build_app, catalog_resolver, fixed_resolver
 from storage.schema import segment_bounds
 from storage.workspace import Workspace
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS, scripted_model_dir, script_messages  # noqa: F401
@@ -303,7 +303,7 @@ def test_rlops_serve_command(tmp_path, scripted_model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--policy", "base", "--base-model",
                              str(scripted_model_dir), "--port", str(port), "--workspace", str(tmp_path / "ws")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
