@@ -144,7 +144,7 @@ class RolloutWorker:
     def run_shard(self, batch_id: str, split: str, groups: list[tuple[int, Prompt]], base_seed: int) -> pa.Table:
         """Generate every sample of the given (group index, prompt) pairs; one row per episode."""
         if self.task.agent is not None:
-            from stages.external import run_agent_shard
+            from stages.service.external import run_agent_shard
 
             return run_agent_shard(self, batch_id, split, groups, base_seed)
         from stages.policy.agent_loop import EpisodeSpec, run_episodes

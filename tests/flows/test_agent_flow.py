@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from storage.workspace import Workspace
-from tests.stages.agents_for_tests import example_pipeline_config
+from tests.stages.service.agents_for_tests import example_pipeline_config
 
 
 @pytest.mark.slow

@@ -15,9 +15,9 @@ from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
 from tasks.base import load_task
 from tests.scripted_model import ANSWER, scripted_model_dir  # noqa: F401
-from tests.stages.agents_for_tests import EXAMPLE, example_pipeline_config
+from tests.stages.service.agents_for_tests import EXAMPLE, example_pipeline_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _prompts(path: Path, texts: list[str]) -> Path:
@@ -38,7 +38,7 @@ def _run(tmp_path: Path, model_dir: Path, entry: str, texts: list[str], **params
 
 @pytest.mark.slow
 def test_agent_episodes_become_single_segment_rollouts(tmp_path, scripted_model_dir):
-    ws, rows = _run(tmp_path, scripted_model_dir, "tests.stages.agents_for_tests:scripted", ["a", "b"])
+    ws, rows = _run(tmp_path, scripted_model_dir, "tests.stages.service.agents_for_tests:scripted", ["a", "b"])
     assert len(rows) == 4 and {r.group_id for r in rows} == {rows[0].group_id, rows[2].group_id}
     for r in rows:
         assert r.finish_reason == "answer" and r.segment_starts == [] and r.num_turns == 2
@@ -56,7 +56,7 @@ def test_agent_episodes_become_single_segment_rollouts(tmp_path, scripted_model_
 
 @pytest.mark.slow
 def test_history_rewriting_agent_is_stored_as_segments(tmp_path, scripted_model_dir):
-    _, rows = _run(tmp_path, scripted_model_dir, "tests.stages.agents_for_tests:rewriting", ["a"])
+    _, rows = _run(tmp_path, scripted_model_dir, "tests.stages.service.agents_for_tests:rewriting", ["a"])
     for r in rows:
         ((a0, b0), (a1, b1)) = r.segments()
         assert r.loss_mask[a0] == 0 and r.loss_mask[a1] == 0  # each segment opens with its prompt
@@ -65,7 +65,7 @@ def test_history_rewriting_agent_is_stored_as_segments(tmp_path, scripted_model_
 
 
 def test_agent_errors_are_rows_and_too_many_fail_the_stage(tmp_path, tiny_model_dir):
-    entry = "tests.stages.agents_for_tests:flaky"
+    entry = "tests.stages.service.agents_for_tests:flaky"
     _, rows = _run(tmp_path / "ok", tiny_model_dir, entry, ["fine", "fail here", "fine too", "also fine"],
                    max_error_frac=0.5)
     errors = [r for r in rows if r.finish_reason == "error"]
@@ -82,10 +82,10 @@ def test_agent_errors_are_rows_and_too_many_fail_the_stage(tmp_path, tiny_model_
 
 @pytest.mark.parametrize("params, message", [
     ({"entry": "no_colon", "prompts": "p.jsonl"}, "must look like"),
-    ({"entry": "tests.stages.agents_for_tests:missing", "prompts": "p.jsonl"}, "async def missing"),
-    ({"entry": "tests.stages.agents_for_tests:not_async", "prompts": "p.jsonl"}, "async def not_async"),
+    ({"entry": "tests.stages.service.agents_for_tests:missing", "prompts": "p.jsonl"}, "async def missing"),
+    ({"entry": "tests.stages.service.agents_for_tests:not_async", "prompts": "p.jsonl"}, "async def not_async"),
     ({"entry": "no.such.module:rollout", "prompts": "p.jsonl"}, "cannot import"),
-    ({"entry": "tests.stages.agents_for_tests:flaky", "prompts": "missing.jsonl"}, "prompts file not found"),
+    ({"entry": "tests.stages.service.agents_for_tests:flaky", "prompts": "missing.jsonl"}, "prompts file not found"),
 ])
 def test_bad_agent_tasks_are_refused_clearly(tmp_path, monkeypatch, params, message):
     monkeypatch.chdir(tmp_path)
@@ -98,10 +98,10 @@ def test_bad_prompt_lines_name_their_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"id": "a", "prompt": "q"}\n{"id": "a", "prompt": "again"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: duplicate id"):
-        load_task("agent", {"entry": "tests.stages.agents_for_tests:flaky", "prompts": str(path)})
+        load_task("agent", {"entry": "tests.stages.service.agents_for_tests:flaky", "prompts": str(path)})
     path.write_text('{"id": 3, "prompt": "q"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:1: each line needs"):
-        load_task("agent", {"entry": "tests.stages.agents_for_tests:flaky", "prompts": str(path)})
+        load_task("agent", {"entry": "tests.stages.service.agents_for_tests:flaky", "prompts": str(path)})
 
 
 def test_example_tools_match_the_builtin_doc_search_tools():

@@ -1,4 +1,4 @@
-"""External agents used by tests/stages/test_external.py: plain OpenAI-client code, like a user's."""
+"""External agents used by tests/stages/service/test_external.py: plain OpenAI-client code, like a user's."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def odd_answer_length(rollout: Rollout) -> float:
     return float(len(rollout.messages[-1].content or "") % 2)
 
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "doc_search_openai"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "doc_search_openai"
 
 
 def example_pipeline_config(model_dir: Path, name: str, eval_every: int) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def example_pipeline_config(model_dir: Path, name: str, eval_every: int) -> dict
         "steps": 2,
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "max_total_tokens": 512},
         "score": {"rewards": [{"name": "correct", "fn": "rewards.builtin.exact_match", "params": {"mode": "contains"}},
-                              {"name": "odd", "fn": "tests.stages.agents_for_tests.odd_answer_length"}],
+                              {"name": "odd", "fn": "tests.stages.service.agents_for_tests.odd_answer_length"}],
                   "total": None},
         "train_reward": "odd",
         "eval": {"n_prompts": 2, "every": eval_every, "metric": "correct"},
