@@ -42,7 +42,7 @@ def main() -> None:
     from stages.common import resolve_policy
     from stages.policy.generate import HFBackend, SamplingConfig
     from stages.grpo import GRPOConfig
-    from stages.grpo_data import Sample
+    from stages.update.data import Sample
     from stages.grpo_train import make_optimizer, train_on_batch
     from stages.policy.load import load_policy
     from storage.workspace import Workspace

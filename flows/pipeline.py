@@ -155,7 +155,7 @@ def more_batches(cfg: RunConfig, ctx: StageContext, call: Call, policy: str, ste
     the rollout seed, the step and k, so a rerun makes (finds) the same batches."""
     import random
 
-    from stages.grpo_data import informative_groups
+    from stages.update.data import informative_groups
     from tasks.base import load_task
 
     ds, n = cfg.dynamic_sampling, cfg.rollout.prompts_per_step

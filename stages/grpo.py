@@ -2,7 +2,7 @@
 
     ref = run(GRPOConfig(), ctx, parent_policy="ck-...", batches=["ro-..."], reward=RewardRef("correct"))
 
-`run` reads as the update does: read the scored batch (stages/grpo_data.py: group-relative
+`run` reads as the update does: read the scored batch (stages/update/data.py: group-relative
 advantages, zero-variance groups skipped, the sampling temperature taken from the rollouts) ->
 train (stages/grpo_train.py: ONE optimizer step per epoch over the whole batch, micro-batches
 accumulating gradients scaled so the sum is the loss of the whole batch) -> save (the shared
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stages.checkpoints import Checkpoint, write_checkpoint
 from stages.common import Added, ArtifactRef, Operational, StageContext, identity, resolve_policy, run_stage
-from stages.grpo_data import read_training_data
+from stages.update.data import read_training_data
 from stages import grpo_workers
 from stages.grpo_train import load_for_update, make_optimizer, save_update
 from stages.policy.lora import LoRASettings

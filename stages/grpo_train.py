@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.grpo_data import Sample
+from stages.update.data import Sample
 from stages.policy.lora import LoRASettings, add_lora
 from stages.policy.model import resolve_model
 

@@ -25,7 +25,7 @@ import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
-from stages.grpo_data import Sample
+from stages.update.data import Sample
 from stages.grpo_train import train_on_batch
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.common import StageContext, base_policy
 from stages.grpo import GRPOConfig, run
-from stages.grpo_data import Sample, training_data
+from stages.update.data import Sample, training_data
 from stages.grpo_train import train_on_batch
 from stages.policy.lora import LoRASettings, add_lora
 from stages.reward_ref import RewardRef

@@ -10,7 +10,7 @@ import pytest
 
 from stages.common import StageContext
 from stages.grpo import GRPOConfig
-from stages.grpo_data import Sample
+from stages.update.data import Sample
 from stages.grpo_train import train_on_batch
 from stages.grpo_workers import scored_tokens, shard_weight, train
 from stages.policy.lora import add_lora

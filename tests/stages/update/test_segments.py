@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from stages.grpo_data import training_data
+from stages.update.data import training_data
 
 
 def _row(group: str, value: float | None, ids: list[int], mask: list[int], starts: list[int] | None) -> dict:
