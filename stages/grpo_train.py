@@ -135,7 +135,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
     """
     import torch
 
-    from stages.grpo_loss import policy_loss
+    from stages.update.loss import policy_loss
 
     if not samples:
         if config.step_without_signal:  # zero gradients: AdamW's momentum alone moves the weights

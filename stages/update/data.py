@@ -74,7 +74,7 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_ze
     their advantages and the data metrics."""
     import torch
 
-    from stages.grpo_loss import group_advantages, zero_variance_groups
+    from stages.update.loss import group_advantages, zero_variance_groups
 
     if not rows:
         raise ValueError("the batches hold no rollouts")

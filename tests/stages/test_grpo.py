@@ -68,7 +68,7 @@ def mean_reward(model, prompts: torch.Tensor, seed: int) -> float:
 
 
 def grpo_step(model, optimizer, prompts: torch.Tensor, config: GRPOConfig, seed: int) -> list[dict[str, float]]:
-    from stages.grpo_loss import group_advantages
+    from stages.update.loss import group_advantages
 
     samples, rewards, groups = sample(model, prompts, G, seed)
     advantages = group_advantages(torch.tensor(rewards), groups, config.scale, config.baseline)
@@ -142,7 +142,7 @@ def test_kl_to_the_base_with_the_adapter_disabled() -> None:
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "dr_grpo"])
 def test_micro_batches_accumulate_to_the_full_batch_step(aggregation: str) -> None:
     """Micro-batches of 3 (uneven lengths, uneven last batch) give the step of one batch of all."""
-    from stages.grpo_loss import group_advantages
+    from stages.update.loss import group_advantages
 
     model, _, prompts = tiny_setup(0)
     samples, rewards, groups = sample(model, prompts[:2], G, seed=0)
@@ -168,7 +168,7 @@ def test_micro_batches_accumulate_to_the_full_batch_step(aggregation: str) -> No
 def test_a_shared_prompt_runs_once_and_gives_the_same_update(checkpointing: bool) -> None:
     """The G samples of a group continue one prompt: run it once per micro-batch (prefix + continuations)
     and the update equals running every sample whole, with activation checkpointing on or off."""
-    from stages.grpo_loss import group_advantages
+    from stages.update.loss import group_advantages
 
     model, _, prompts = tiny_setup(0)
     samples, rewards, groups = sample(model, prompts[:2], G, seed=0)

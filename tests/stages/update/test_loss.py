@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stages.grpo_loss import group_advantages, k3_kl, policy_loss, zero_variance_groups
+from stages.update.loss import group_advantages, k3_kl, policy_loss, zero_variance_groups
 
 # rewards [1, 3 | 0, 4, 8] in groups a, b.
 # group a: mean 2, population std 1.   group b: mean 4, deviations -4, 0, 4, var 32/3, std 3.265986.
