@@ -43,7 +43,7 @@ def main() -> None:
     from stages.policy.generate import HFBackend, SamplingConfig
     from stages.grpo import GRPOConfig
     from stages.update.data import Sample
-    from stages.grpo_train import make_optimizer, train_on_batch
+    from stages.update.train import make_optimizer, train_on_batch
     from stages.policy.load import load_policy
     from storage.workspace import Workspace
     from tasks.doc_search import make_task

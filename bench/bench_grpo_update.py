@@ -21,7 +21,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
 
     from stages.grpo import GRPOConfig
     from stages.update.data import Sample
-    from stages.grpo_train import train_on_batch
+    from stages.update.train import train_on_batch
     from stages.policy.lora import add_lora
     from stages.policy.logprobs import token_logprobs
     from stages.policy.model import resolve_model

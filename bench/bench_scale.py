@@ -83,7 +83,7 @@ def bench_grpo(model_name: str) -> None:
     from stages.common import StageContext
     from stages.grpo import GRPOConfig
     from stages.update.data import Sample
-    from stages.grpo_train import train_on_batch
+    from stages.update.train import train_on_batch
     from stages.policy.lora import add_lora
     from stages.grpo_workers import train
     from stages.policy.logprobs import token_logprobs

@@ -210,7 +210,7 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     import torch
     import transformers  # noqa: F401
 
-    import stages.grpo_train
+    import stages.update.train
     import stages.policy.load
     import stages.policy.session
     from flows.pipeline import resident
@@ -234,7 +234,7 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         # Model loading: base (+ adapter) for generation, for the update, and adapter weight copies.
         loading = [0.0]
         _timed(stages.policy.load, "load_policy", loading)
-        _timed(stages.grpo_train, "_load_trainable", loading)
+        _timed(stages.update.train, "_load_trainable", loading)
         _timed(stages.policy.session.ResidentModel, "_load", loading)
         _timed(stages.policy.session.ResidentModel, "fresh", loading)
         task = rollout.TaskSpec(name=TASK_NAME, params=TASK_PARAMS)

@@ -30,7 +30,7 @@ def logprob_agreement(ws, batch_id: str, temperature: float) -> tuple[float, flo
 
     from stages.common import resolve_policy
     from stages.grpo import GRPOConfig
-    from stages.grpo_train import _load_trainable
+    from stages.update.train import _load_trainable
     from stages.policy.logprobs import token_logprobs
     from storage.checkpoints import local_copy
     from storage.schema import Rollout, from_table

@@ -4,7 +4,7 @@
 
 `run` reads as the update does: read the scored batch (stages/update/data.py: group-relative
 advantages, zero-variance groups skipped, the sampling temperature taken from the rollouts) ->
-train (stages/grpo_train.py: ONE optimizer step per epoch over the whole batch, micro-batches
+train (stages/update/train.py: ONE optimizer step per epoch over the whole batch, micro-batches
 accumulating gradients scaled so the sum is the loss of the whole batch) -> save (the shared
 checkpoint writer, stages/checkpoints.py: adapter + optimizer state, atomically, then registered
 with its lineage). With the default epochs=1 the update is strictly on-policy (ratio 1, the clip
@@ -24,7 +24,7 @@ from stages.checkpoints import Checkpoint, write_checkpoint
 from stages.common import Added, ArtifactRef, Operational, StageContext, identity, resolve_policy, run_stage
 from stages.update.data import read_training_data
 from stages import grpo_workers
-from stages.grpo_train import load_for_update, make_optimizer, save_update
+from stages.update.train import load_for_update, make_optimizer, save_update
 from stages.policy.lora import LoRASettings
 from stages.reward_ref import RewardRef
 from storage.checkpoints import local_copy

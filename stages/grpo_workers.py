@@ -2,7 +2,7 @@
 
     history = grpo_workers.train(model, optimizer, samples, advantages, config, temperature=1.0, ctx=ctx, base_model=base)
 
-`grpo.workers: 1` runs `stages.grpo_train.train_on_batch` here (on CUDA under bf16 autocast with the fp32
+`grpo.workers: 1` runs `stages.update.train.train_on_batch` here (on CUDA under bf16 autocast with the fp32
 weights, and with a resident vLLM engine asleep meanwhile). `grpo.workers: N` runs the same function
 in N Ray Train `TorchTrainer` workers (torch.distributed: gloo on CPU, NCCL on GPUs), each on a
 shard of the samples, on the run's `ray:` cluster or a local Ray. The driver's model and optimizer
@@ -26,7 +26,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from stages.update.data import Sample
-from stages.grpo_train import train_on_batch
+from stages.update.train import train_on_batch
 
 if TYPE_CHECKING:
     import torch

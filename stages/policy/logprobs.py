@@ -110,7 +110,7 @@ def shared_prefix_logprobs(
     (`_read_only_prefix`), so their recomputation in backward sees the same keys and values.
     Llama-style decoders (transformers 5 `cache=` API); tests compare it with `token_logprobs`.
     """
-    from stages.grpo_train import _set_activation_checkpointing
+    from stages.update.train import _set_activation_checkpointing
 
     lm = _causal_lm(model)
     decoder = lm.get_decoder()

@@ -120,7 +120,7 @@ class ResidentModel:
 
     def settle(self, policy_id: str | None) -> None:
         """After an update: the adapter now holds `policy_id` (None: an update that failed midway)."""
-        from stages.grpo_train import _set_activation_checkpointing
+        from stages.update.train import _set_activation_checkpointing
 
         _set_activation_checkpointing(self.model, False)
         for p in self.model.parameters():

@@ -56,11 +56,11 @@ def _adapters(ws: Workspace, policies: list[str]) -> list[dict[str, Any]]:
 
 
 def test_resident_run_equals_stage_by_stage_from_files(tmp_path, tiny_model_dir, monkeypatch):
-    import stages.grpo_train
+    import stages.update.train
     import stages.policy.load
 
     loads = {"generation": 0, "update": 0}
-    load_policy, load_trainable = stages.policy.load.load_policy, stages.grpo_train._load_trainable
+    load_policy, load_trainable = stages.policy.load.load_policy, stages.update.train._load_trainable
 
     def counted_policy(*a: Any, **k: Any) -> Any:
         loads["generation"] += 1
@@ -71,7 +71,7 @@ def test_resident_run_equals_stage_by_stage_from_files(tmp_path, tiny_model_dir,
         return load_trainable(*a, **k)
 
     monkeypatch.setattr(stages.policy.load, "load_policy", counted_policy)
-    monkeypatch.setattr(stages.grpo_train, "_load_trainable", counted_trainable)
+    monkeypatch.setattr(stages.update.train, "_load_trainable", counted_trainable)
 
     cfg = _config(tiny_model_dir)
     ws_files, files, files_rows = _run(tmp_path, cfg, "files", keep_resident=False)

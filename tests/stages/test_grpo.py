@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stages.common import StageContext, base_policy
 from stages.grpo import GRPOConfig, run
 from stages.update.data import Sample, training_data
-from stages.grpo_train import train_on_batch
+from stages.update.train import train_on_batch
 from stages.policy.lora import LoRASettings, add_lora
 from stages.reward_ref import RewardRef
 from stages.policy.logprobs import token_logprobs
@@ -206,7 +206,7 @@ def test_a_shared_prompt_runs_once_and_gives_the_same_update(checkpointing: bool
     ([50, 3], 8, 10, [[1], [0]]),  # a sequence over the budget still trains, alone
 ])
 def test_micro_batches_respect_the_sequence_and_token_limits(lengths, size, budget, expected) -> None:
-    from stages.grpo_train import _micro_batch_indices
+    from stages.update.train import _micro_batch_indices
 
     assert _micro_batch_indices(lengths, size, budget) == expected
 

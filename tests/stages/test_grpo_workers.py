@@ -11,7 +11,7 @@ import pytest
 from stages.common import StageContext
 from stages.grpo import GRPOConfig
 from stages.update.data import Sample
-from stages.grpo_train import train_on_batch
+from stages.update.train import train_on_batch
 from stages.grpo_workers import scored_tokens, shard_weight, train
 from stages.policy.lora import add_lora
 from storage.workspace import Workspace
