@@ -85,7 +85,7 @@ def bench_grpo(model_name: str) -> None:
     from stages.update.data import Sample
     from stages.update.train import train_on_batch
     from stages.policy.lora import add_lora
-    from stages.grpo_workers import train
+    from stages.update.workers import train
     from stages.policy.logprobs import token_logprobs
     from stages.policy.model import resolve_model
     from storage.workspace import Workspace

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.checkpoints import Checkpoint, write_checkpoint
 from stages.common import Added, ArtifactRef, Operational, StageContext, identity, resolve_policy, run_stage
 from stages.update.data import read_training_data
-from stages import grpo_workers
+from stages.update import workers
 from stages.update.train import load_for_update, make_optimizer, save_update
 from stages.policy.lora import LoRASettings
 from stages.reward_ref import RewardRef
@@ -48,7 +48,7 @@ class GRPOConfig(BaseModel):
     # Keep only each decoder layer's input for backward and recompute the rest: far less activation
     # memory for ~1/3 more compute. Numerics are unchanged, so it is not part of the checkpoint id.
     activation_checkpointing: bool = Operational(True)
-    # Data-parallel workers (Ray Train DDP, stages/grpo_workers.py); the update equals one worker's
+    # Data-parallel workers (Ray Train DDP, stages/update/workers.py); the update equals one worker's
     # up to float summation order, so it is not part of the checkpoint id.
     workers: int = Operational(1, ge=1)
     # Groups whose rewards all agree have advantage 0: skipping them saves their forward/backward and
@@ -98,8 +98,8 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
             resident = ctx.session.for_update(base_model, parent_policy, adapter_dir, config.lora)
             model, optimizer = resident.model, make_optimizer(resident.model, adapter_dir, config)
 
-        history = grpo_workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
-                                     ctx=ctx, base_model=base_model)
+        history = workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
+                                ctx=ctx, base_model=base_model)
         for epoch, m in enumerate(history):
             ctx.ws.tracker.log_metrics(mlflow_run_id, {f"train/{k}": v for k, v in m.items()}, step=epoch)
         # Nothing to train on (every group agreed): every advantage is 0, and so are the loss and the clipping.

@@ -334,7 +334,7 @@ KILLED = textwrap.dedent("""
 
     ws_dir, parent, batch, config, phase, marker = sys.argv[1:]
     if phase == "train":  # signal, then train "forever" (the id was computed from the real config)
-        import stages.grpo_workers as where
+        import stages.update.workers as where
         train = where.train_on_batch
         def forever(model, optimizer, samples, advantages, config, temperature):
             Path(marker).touch()

@@ -12,7 +12,7 @@ from stages.common import StageContext
 from stages.grpo import GRPOConfig
 from stages.update.data import Sample
 from stages.update.train import train_on_batch
-from stages.grpo_workers import scored_tokens, shard_weight, train
+from stages.update.workers import scored_tokens, shard_weight, train
 from stages.policy.lora import add_lora
 from storage.workspace import Workspace
 
