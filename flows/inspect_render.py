@@ -1,4 +1,4 @@
-"""The inspect views (`flows/inspection.py`) rendered for a terminal (rich) or as a static HTML page.
+"""The inspect views (`flows/views/inspection.py`) rendered for a terminal (rich) or as a static HTML page.
 
 Both show the same things: per reward version, a ranking table (rank, episode, step and every
 reward column) and then each episode as a conversation — messages, tool calls and tool results —
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flows.inspection import Change, Diff, Episode, Inspection, Score
+from flows.views.inspection import Change, Diff, Episode, Inspection, Score
 from flows.pages import esc, fmt, slug, write_page
 
 # -- terminal --------------------------------------------------------------------------------

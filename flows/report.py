@@ -5,7 +5,7 @@
   reward_distributions.png histogram of each reward version scored on the run's rollouts
   index.html               the three figures, the eval table and the lineage, linking:
   run.html                 the run page (flows/runpage.py): curves, held-out table, lineage, and
-  inspect/*.html           the inspected episodes (flows/inspection.py) overall and per step
+  inspect/*.html           the inspected episodes (flows/views/inspection.py) overall and per step
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from flows.inspection import train_reward
+from flows.views.inspection import train_reward
 from flows.runpage import write_run_page
 from storage.atomic import write_text_atomic
 from storage.workspace import Workspace

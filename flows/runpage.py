@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flows.inspection import inspect_run, read_views, run_batches, train_reward
+from flows.views.inspection import inspect_run, read_views, run_batches, train_reward
 from flows.inspect_render import inspect_page_path, write_inspection_html
 from flows.pages import esc, fmt, line_chart, write_page
 from storage.workspace import Workspace

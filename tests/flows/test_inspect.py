@@ -134,7 +134,7 @@ def _expected_ends(values: dict[str, float | None], top: int) -> tuple[list[str]
 
 
 def test_html_shows_the_best_and_worst_episodes_per_version_in_order(run_ws: Workspace) -> None:
-    from flows.inspection import inspect_run
+    from flows.views.inspection import inspect_run
     from flows.inspect_render import write_inspection_html
 
     view = inspect_run(run_ws, RUN, "short", top=2)
@@ -159,7 +159,7 @@ def test_html_shows_the_best_and_worst_episodes_per_version_in_order(run_ws: Wor
 
 
 def test_every_reward_column_and_row_is_shown(run_ws: Workspace) -> None:
-    from flows.inspection import inspect_run
+    from flows.views.inspection import inspect_run
     from flows.inspect_render import write_inspection_html
 
     page = _soup(write_inspection_html(inspect_run(run_ws, RUN, top=1), run_ws.root / "t" / "total.html"))
@@ -186,7 +186,7 @@ def test_every_reward_column_and_row_is_shown(run_ws: Workspace) -> None:
 
 
 def test_model_text_is_escaped(run_ws: Workspace) -> None:
-    from flows.inspection import inspect_run
+    from flows.views.inspection import inspect_run
     from flows.inspect_render import write_inspection_html
 
     path = write_inspection_html(inspect_run(run_ws, "tools", "judged", top=3), run_ws.root / "t" / "tools.html")
@@ -387,7 +387,7 @@ def _dump_dom(url: str, budget_ms: int = 5000) -> str:
 
 @needs_chromium
 def test_pages_run_in_chromium(run_ws: Workspace) -> None:
-    from flows.inspection import diff_versions, inspect_run
+    from flows.views.inspection import diff_versions, inspect_run
     from flows.inspect_render import write_diff_html, write_inspection_html
     from flows.runpage import write_run_page
 
