@@ -184,7 +184,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 @_guard
 def cmd_inspect(args: argparse.Namespace) -> int:
     from flows.views.inspection import diff_versions, inspect_run
-    from flows.inspect_render import (diff_page_path, inspect_page_path, print_diff, print_inspection,
+    from flows.views.inspect_render import (diff_page_path, inspect_page_path, print_diff, print_inspection,
                                       write_diff_html, write_inspection_html)
     from storage.workspace import Workspace
 

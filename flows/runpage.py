@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.views.inspection import inspect_run, read_views, run_batches, train_reward
-from flows.inspect_render import inspect_page_path, write_inspection_html
+from flows.views.inspect_render import inspect_page_path, write_inspection_html
 from flows.pages import esc, fmt, line_chart, write_page
 from storage.workspace import Workspace
 

@@ -10,7 +10,7 @@ reward and before retraining on it. Either way each episode comes back whole: it
 calls and tool results, its token stream cut into sampled (trained on) and masked (prompt, tool output)
 runs, every reward row scored on it, and the judge's explanation where a reward gave one.
 
-Rendering (terminal and static HTML) is in `flows/inspect_render.py`. Reads go through the same
+Rendering (terminal and static HTML) is in `flows/views/inspect_render.py`. Reads go through the same
 in-memory DuckDB views as `rlops sql`, so this works while a pipeline is writing the catalog.
 """
 

@@ -135,7 +135,7 @@ def _expected_ends(values: dict[str, float | None], top: int) -> tuple[list[str]
 
 def test_html_shows_the_best_and_worst_episodes_per_version_in_order(run_ws: Workspace) -> None:
     from flows.views.inspection import inspect_run
-    from flows.inspect_render import write_inspection_html
+    from flows.views.inspect_render import write_inspection_html
 
     view = inspect_run(run_ws, RUN, "short", top=2)
     page = _soup(write_inspection_html(view, run_ws.root / "t" / "short.html"))
@@ -160,7 +160,7 @@ def test_html_shows_the_best_and_worst_episodes_per_version_in_order(run_ws: Wor
 
 def test_every_reward_column_and_row_is_shown(run_ws: Workspace) -> None:
     from flows.views.inspection import inspect_run
-    from flows.inspect_render import write_inspection_html
+    from flows.views.inspect_render import write_inspection_html
 
     page = _soup(write_inspection_html(inspect_run(run_ws, RUN, top=1), run_ws.root / "t" / "total.html"))
     refs = {f"{name}@{v}" for name in ("correct", "short", "total", "judged") for v in _scores(run_ws, RUN, name)}
@@ -187,7 +187,7 @@ def test_every_reward_column_and_row_is_shown(run_ws: Workspace) -> None:
 
 def test_model_text_is_escaped(run_ws: Workspace) -> None:
     from flows.views.inspection import inspect_run
-    from flows.inspect_render import write_inspection_html
+    from flows.views.inspect_render import write_inspection_html
 
     path = write_inspection_html(inspect_run(run_ws, "tools", "judged", top=3), run_ws.root / "t" / "tools.html")
     raw = path.read_text()
@@ -388,7 +388,7 @@ def _dump_dom(url: str, budget_ms: int = 5000) -> str:
 @needs_chromium
 def test_pages_run_in_chromium(run_ws: Workspace) -> None:
     from flows.views.inspection import diff_versions, inspect_run
-    from flows.inspect_render import write_diff_html, write_inspection_html
+    from flows.views.inspect_render import write_diff_html, write_inspection_html
     from flows.runpage import write_run_page
 
     run_page = write_run_page(run_ws, RUN)
