@@ -4,7 +4,7 @@
   evals_by_checkpoint.png  every eval metric per evaluated checkpoint, in lineage order
   reward_distributions.png histogram of each reward version scored on the run's rollouts
   index.html               the three figures, the eval table and the lineage, linking:
-  run.html                 the run page (flows/runpage.py): curves, held-out table, lineage, and
+  run.html                 the run page (flows/views/runpage.py): curves, held-out table, lineage, and
   inspect/*.html           the inspected episodes (flows/views/inspection.py) overall and per step
 """
 
@@ -14,7 +14,7 @@ import html
 from pathlib import Path
 
 from flows.views.inspection import train_reward
-from flows.runpage import write_run_page
+from flows.views.runpage import write_run_page
 from storage.atomic import write_text_atomic
 from storage.workspace import Workspace
 

@@ -358,7 +358,7 @@ def test_report_links_the_run_page_which_shows_curves_evals_lineage_and_episodes
 def test_run_page_of_a_run_without_grpo_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
     from flows import pipeline
     from flows.run_config import from_dict
-    from flows.runpage import write_run_page
+    from flows.views.runpage import write_run_page
     from stages.common import StageContext
 
     cfg = tiny_config(tiny_model_dir, name="zero", steps=0)
@@ -389,7 +389,7 @@ def _dump_dom(url: str, budget_ms: int = 5000) -> str:
 def test_pages_run_in_chromium(run_ws: Workspace) -> None:
     from flows.views.inspection import diff_versions, inspect_run
     from flows.views.inspect_render import write_diff_html, write_inspection_html
-    from flows.runpage import write_run_page
+    from flows.views.runpage import write_run_page
 
     run_page = write_run_page(run_ws, RUN)
     tools = write_inspection_html(inspect_run(run_ws, "tools", "judged", top=3), run_ws.root / "t" / "tools-browser.html")
