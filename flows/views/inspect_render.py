@@ -5,7 +5,7 @@ reward column) and then each episode as a conversation — messages, tool calls 
 with its reward rows, the judge's explanation where there is one, and the token stream split into
 sampled (trained on) and masked runs. A diff shows each changed episode with both versions' rows
 side by side. Model and tool text is untrusted: rich gets it as `Text` (never markup) and HTML
-escapes it (flows/pages.py).
+escapes it (flows/views/pages.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.views.inspection import Change, Diff, Episode, Inspection, Score
-from flows.pages import esc, fmt, slug, write_page
+from flows.views.pages import esc, fmt, slug, write_page
 
 # -- terminal --------------------------------------------------------------------------------
 

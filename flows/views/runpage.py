@@ -17,7 +17,7 @@ from typing import Any
 
 from flows.views.inspection import inspect_run, read_views, run_batches, train_reward
 from flows.views.inspect_render import inspect_page_path, write_inspection_html
-from flows.pages import esc, fmt, line_chart, write_page
+from flows.views.pages import esc, fmt, line_chart, write_page
 from storage.workspace import Workspace
 
 # grpo artifact metric -> chart title; the ones a reader checks first, in that order
