@@ -172,7 +172,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 @command("report")
 @_guard
 def cmd_report(args: argparse.Namespace) -> int:
-    from flows.report import write_report
+    from flows.views.report import write_report
     from storage.workspace import Workspace
 
     out = write_report(Workspace.open(args.workspace), args.run, Path(args.out) if args.out else None)

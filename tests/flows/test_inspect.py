@@ -330,7 +330,7 @@ def test_mlflow_curves_tags_and_models(run_ws: Workspace) -> None:
 
 
 def test_report_links_the_run_page_which_shows_curves_evals_lineage_and_episodes(run_ws: Workspace) -> None:
-    from flows.report import write_report
+    from flows.views.report import write_report
 
     index = write_report(run_ws, RUN)
     links = {a["href"] for a in _soup(index).select("ul.pages a")}

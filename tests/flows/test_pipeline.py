@@ -35,7 +35,7 @@ def _counts(ws: Workspace) -> dict[str, int]:
 
 def test_flow_runs_every_stage_and_fills_every_view(prefect_harness, tmp_path, tiny_model_dir):
     from flows.prefect_flows import train_flow
-    from flows.report import write_report
+    from flows.views.report import write_report
 
     cfg = tiny_config(tiny_model_dir)
     ws_dir = tmp_path / "ws"
