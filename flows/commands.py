@@ -211,7 +211,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 @command("ui")
 @_guard
 def cmd_ui(args: argparse.Namespace) -> int:
-    from flows.ui import serve, ui_command
+    from flows.views.ui import serve, ui_command
     from storage.settings import Settings
 
     cmd = ui_command(args.tool, Settings.from_env(args.workspace), host=args.host, port=args.port)
