@@ -19,7 +19,7 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.grpo import GRPOConfig
+    from stages.update.config import GRPOConfig
     from stages.update.data import Sample
     from stages.update.train import train_on_batch
     from stages.policy.lora import add_lora

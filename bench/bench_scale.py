@@ -81,7 +81,7 @@ def bench_grpo(model_name: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from stages.common import StageContext
-    from stages.grpo import GRPOConfig
+    from stages.update.config import GRPOConfig
     from stages.update.data import Sample
     from stages.update.train import train_on_batch
     from stages.policy.lora import add_lora

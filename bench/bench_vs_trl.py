@@ -220,6 +220,7 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     from stages.common import StageContext, base_policy
     from stages.policy.lora import LoRASettings
     from stages.reward_ref import RewardRef
+    from stages.update.config import GRPOConfig
     from storage.settings import Settings
     from storage.workspace import Workspace
 
@@ -241,8 +242,8 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         rollout_cfg = rollout.RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=args.max_new_tokens,
                                             temperature=TEMPERATURE, groups_per_shard=PROMPTS)
         score_cfg = score.ScoreConfig(rewards=[RewardSpec(name="correct", fn="rewards.builtin.numeric_match")])
-        grpo_cfg = grpo.GRPOConfig(lr=LR, micro_batch_size=MICRO_BATCH, skip_zero_variance=variant != "rlops-equal",
-                                   lora=LoRASettings(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, target_modules=LORA_TARGETS))
+        grpo_cfg = GRPOConfig(lr=LR, micro_batch_size=MICRO_BATCH, skip_zero_variance=variant != "rlops-equal",
+                              lora=LoRASettings(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, target_modules=LORA_TARGETS))
         reward = RewardRef.configured(score_cfg, "total")
         policy = base_policy(ws, MODEL)
         seconds, rewards, lengths, zero_std, load_s = [], [], [], [], []

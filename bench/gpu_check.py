@@ -29,7 +29,7 @@ def logprob_agreement(ws, batch_id: str, temperature: float) -> tuple[float, flo
     import torch
 
     from stages.common import resolve_policy
-    from stages.grpo import GRPOConfig
+    from stages.update.config import GRPOConfig
     from stages.update.train import _load_trainable
     from stages.policy.logprobs import token_logprobs
     from storage.checkpoints import local_copy

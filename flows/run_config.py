@@ -20,7 +20,7 @@ from flows.config import ConfigError, load_config, validate
 from stages.common import Operational
 from stages.cluster import RayConfig
 from stages.evaluate import EvalConfig
-from stages.grpo import GRPOConfig
+from stages.update.config import GRPOConfig
 from stages.rollout import RolloutConfig, TaskSpec
 from stages.score import ScoreConfig, versions
 from stages.sft import SFTConfig

@@ -16,62 +16,15 @@ torch, transformers and peft are imported inside functions: importing this modul
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
-
 from stages.checkpoints import Checkpoint, write_checkpoint
-from stages.common import Added, ArtifactRef, Operational, StageContext, identity, resolve_policy, run_stage
-from stages.update.data import read_training_data
-from stages.update import workers
-from stages.update.train import load_for_update, make_optimizer, save_update
-from stages.policy.lora import LoRASettings
+from stages.common import ArtifactRef, StageContext, identity, resolve_policy, run_stage
 from stages.reward_ref import RewardRef
+from stages.update import workers
+from stages.update.config import GRPOConfig
+from stages.update.data import read_training_data
+from stages.update.train import load_for_update, make_optimizer, save_update
 from storage.checkpoints import local_copy
 from storage.ids import config_hash
-
-
-class GRPOConfig(BaseModel):
-    """One GRPO update. Changing any field but the `Operational` ones changes the output checkpoint's id.
-    The sampling temperature is not here: the rollouts record it, and the update uses theirs."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = 1e-4  # what the reference TRL run used for SmolLM2 LoRA
-    epochs: int = 1  # passes over the batch, one optimizer step each; 1 = strictly on-policy
-    micro_batch_size: int = Field(8, ge=1)  # at most this many sequences per forward/backward (gradients accumulate)
-    # ... and at most this many padded tokens (None: no limit; a longer sequence goes alone): bounds the
-    # activation memory whatever the episode lengths, e.g. 5 arithmetic answers of ~75 tokens or one
-    # ~400-token doc_search episode. Measured on SmolLM2: 8 -> 4 sequences of ~75 tokens cut the
-    # update's transient memory by ~45 % for ~10 % more time (docs/BENCHMARKS.md).
-    micro_batch_tokens: int | None = Field(384, ge=1)
-    # Keep only each decoder layer's input for backward and recompute the rest: far less activation
-    # memory for ~1/3 more compute. Numerics are unchanged, so it is not part of the checkpoint id.
-    activation_checkpointing: bool = Operational(True)
-    # Data-parallel workers (Ray Train DDP, stages/update/workers.py); the update equals one worker's
-    # up to float summation order, so it is not part of the checkpoint id.
-    workers: int = Operational(1, ge=1)
-    # Groups whose rewards all agree have advantage 0: skipping them saves their forward/backward and
-    # leaves them out of the token mean. False trains on every completion (TRL's behaviour, whose token
-    # mean counts their tokens too): the same gradient direction, scaled down by the zero-signal share.
-    skip_zero_variance: bool = Added(True)
-    # A batch whose groups all agree has no gradient. False: no optimizer step (the checkpoint equals its
-    # parent's weights). True: AdamW still steps with zero gradients, so its momentum carries on, as in a
-    # trainer that runs the loss over every completion (TRL's GRPOTrainer); costs no forward pass.
-    step_without_signal: bool = Added(False)
-    # The samples of a group continue one prompt: run it once per micro-batch, not once per sample
-    # (stages.policy.logprobs.shared_prefix_logprobs). The same log-probs up to float rounding (~1e-5).
-    share_prompts: bool = Operational(True)
-    max_grad_norm: float = 1.0  # the common clip; a few outlier sequences cannot blow up a step
-    weight_decay: float = 0.0  # decay on LoRA weights pulls toward the base for no measured gain (TRL's default)
-    scale: Literal["group", "batch", "none"] = "group"  # GRPO's per-group std; "none" is Dr. GRPO
-    baseline: Literal["mean", "rloo"] = "mean"  # GRPO's group mean; "rloo" leaves the sample out
-    eps_low: float = 0.2  # PPO's clip range below 1
-    eps_high: float = 0.28  # DAPO's clip-higher: rare tokens may still rise (arXiv 2503.14476)
-    ratio_cap: float | None = 3.0  # dual-clip c=3 (arXiv 1912.09729): bounds the loss on stale/mismatched logprobs
-    beta: float = 0.0  # no KL to the base (DAPO, Dr. GRPO); > 0 costs one more forward pass per step
-    aggregation: Literal["token_mean", "seq_mean", "dr_grpo"] = "token_mean"  # DAPO's token-level mean
-    lora: LoRASettings = Field(default_factory=LoRASettings)  # used only when the parent has no adapter
 
 
 def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list[str], reward: RewardRef) -> ArtifactRef:

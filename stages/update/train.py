@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 from stages.update.data import Sample
 from stages.policy.lora import LoRASettings, add_lora
 from stages.policy.model import resolve_model
+from stages.update.config import GRPOConfig
 
 if TYPE_CHECKING:
     import torch
-
-    from stages.grpo import GRPOConfig
 
 
 @dataclass

@@ -25,6 +25,7 @@ import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+from stages.update.config import GRPOConfig
 from stages.update.data import Sample
 from stages.update.train import train_on_batch
 
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     import torch
 
     from stages.common import StageContext
-    from stages.grpo import GRPOConfig
 
 TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl")  # token-weighted means in train_on_batch
 

@@ -17,7 +17,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.common import StageContext, base_policy
-from stages.grpo import GRPOConfig, run
+from stages.grpo import run
+from stages.update.config import GRPOConfig
 from stages.update.data import Sample, training_data
 from stages.update.train import train_on_batch
 from stages.policy.lora import LoRASettings, add_lora
@@ -328,6 +329,7 @@ KILLED = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     import stages.grpo as grpo
+    from stages.update.config import GRPOConfig
     from stages.common import StageContext
     from stages.reward_ref import RewardRef
     from storage.workspace import Workspace
@@ -348,7 +350,7 @@ KILLED = textwrap.dedent("""
                 time.sleep(3600)
             rename(src, dst)
         os.replace = stall
-    grpo.run(grpo.GRPOConfig.model_validate_json(config), StageContext(Workspace.open(ws_dir)), parent, [batch], RewardRef("toy"))
+    grpo.run(GRPOConfig.model_validate_json(config), StageContext(Workspace.open(ws_dir)), parent, [batch], RewardRef("toy"))
 """)
 
 

@@ -15,7 +15,7 @@ from stages.policy import model as model_module
 from stages import rollout
 from stages.common import StageContext, base_policy, identity
 from stages.evaluate import EvalConfig
-from stages.grpo import GRPOConfig
+from stages.update.config import GRPOConfig
 from stages.reward_ref import RewardRef
 from stages.score import ScoreConfig
 from storage.schema import RewardRow, to_table

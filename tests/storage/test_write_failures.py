@@ -114,7 +114,8 @@ def test_a_checkpoint_that_does_not_fit_leaves_nothing(tmp_path: Path) -> None:
     (report,) = run_limited(
         """
         from stages.common import StageContext
-        from stages.grpo import GRPOConfig, run
+        from stages.grpo import run
+        from stages.update.config import GRPOConfig
         from stages.reward_ref import RewardRef
         from storage.workspace import Workspace
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from stages.common import StageContext
-from stages.grpo import GRPOConfig
+from stages.update.config import GRPOConfig
 from stages.update.data import Sample
 from stages.update.train import train_on_batch
 from stages.update.workers import scored_tokens, shard_weight, train
