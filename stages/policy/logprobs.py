@@ -25,6 +25,20 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def set_activation_checkpointing(model: Any, on: bool) -> None:
+    """Turn activation checkpointing of `model` (peft-wrapped or not) on or off; a no-op when it already is.
+    Shared by the update (its setting) and by the code that must run a pass without it."""
+    lm = _causal_lm(model)
+    active = lm.is_activation_checkpointing if hasattr(lm, "is_activation_checkpointing") else lm.is_gradient_checkpointing
+    # transformers 5 renamed gradient_* to activation_*; the old names still work, with a warning.
+    if on and not active:
+        enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
+        # Non-reentrant: gradients reach the LoRA weights without requiring grad on the inputs.
+        enable({"use_reentrant": False})  # first parameter of both: the torch.utils.checkpoint kwargs
+    elif not on and active:
+        (getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable)()
+
+
 def _position_ids(attention_mask: Tensor) -> Tensor:  # (B, T)
     # Count only real tokens, as generate() does, so a left-padded row scores like the unpadded one.
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -110,8 +124,6 @@ def shared_prefix_logprobs(
     (`_read_only_prefix`), so their recomputation in backward sees the same keys and values.
     Llama-style decoders (transformers 5 `cache=` API); tests compare it with `token_logprobs`.
     """
-    from stages.update.train import _set_activation_checkpointing
-
     lm = _causal_lm(model)
     decoder = lm.get_decoder()
     n, S = suffix_ids.shape
@@ -119,12 +131,12 @@ def shared_prefix_logprobs(
     active = lm.is_activation_checkpointing if hasattr(lm, "is_activation_checkpointing") else lm.is_gradient_checkpointing
     checkpointing = bool(active) and decoder.training and torch.is_grad_enabled()
     if checkpointing:
-        _set_activation_checkpointing(model, False)
+        set_activation_checkpointing(model, False)
     try:
         head = decoder(input_ids=prefix[None], position_ids=torch.arange(P, device=prefix.device)[None], use_cache=True)
     finally:
         if checkpointing:
-            _set_activation_checkpointing(model, True)
+            set_activation_checkpointing(model, True)
     cache = head.cache if hasattr(head, "cache") else head.past_key_values  # transformers 5 renamed it
     cache.batch_repeat_interleave(n)  # (1, ...) -> (n, ...), differentiable
     cache.__class__ = _read_only_prefix()

@@ -17,7 +17,7 @@ compute the same thing, so artifact ids and results do not depend on it (tests/f
   wrapper); a fresh adapter for a GRPO step from the base is initialised exactly as `stages.policy.lora.add_lora`
   does (same seed), so it equals the file path's;
 - the base policy generates with the adapter disabled, which computes exactly the bare model;
-- dropout is off everywhere (eval mode for generation, `grpo_train._train_without_dropout` for updates);
+- dropout is off everywhere (eval mode for generation, `stages.update.train._train_without_dropout` for updates);
 - Ray rollout actors live as long as the session and receive each policy's LoRA weights through the
   object store instead of reloading the model (`stages.rollout`).
 
@@ -120,9 +120,9 @@ class ResidentModel:
 
     def settle(self, policy_id: str | None) -> None:
         """After an update: the adapter now holds `policy_id` (None: an update that failed midway)."""
-        from stages.update.train import _set_activation_checkpointing
+        from stages.policy.logprobs import set_activation_checkpointing
 
-        _set_activation_checkpointing(self.model, False)
+        set_activation_checkpointing(self.model, False)
         for p in self.model.parameters():
             p.requires_grad_(False)
             p.grad = None

@@ -134,6 +134,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
     """
     import torch
 
+    from stages.policy.logprobs import set_activation_checkpointing
     from stages.update.loss import policy_loss
 
     if not samples:
@@ -156,7 +157,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
                 b.ref_logp = b.logprobs(model, temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     _train_without_dropout(model)
-    _set_activation_checkpointing(model, config.activation_checkpointing)
+    set_activation_checkpointing(model, config.activation_checkpointing)
     history = []
     for _ in range(config.epochs):
         start = time.perf_counter()
@@ -220,20 +221,6 @@ def _release_free_memory() -> None:
 
 
 _malloc_trim: Any = None
-
-
-def _set_activation_checkpointing(model: Any, on: bool) -> None:
-    from stages.policy.logprobs import _causal_lm
-
-    lm = _causal_lm(model)
-    active = lm.is_activation_checkpointing if hasattr(lm, "is_activation_checkpointing") else lm.is_gradient_checkpointing
-    # transformers 5 renamed gradient_* to activation_*; the old names still work, with a warning.
-    if on and not active:
-        enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
-        # Non-reentrant: gradients reach the LoRA weights without requiring grad on the inputs.
-        enable({"use_reentrant": False})  # first parameter of both: the torch.utils.checkpoint kwargs
-    elif not on and active:
-        (getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable)()
 
 
 def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings) -> Any:

@@ -1,6 +1,6 @@
 """Where a GRPO update runs: in this process, or data-parallel over Ray Train workers.
 
-    history = grpo_workers.train(model, optimizer, samples, advantages, config, temperature=1.0, ctx=ctx, base_model=base)
+    history = workers.train(model, optimizer, samples, advantages, config, temperature=1.0, ctx=ctx, base_model=base)
 
 `grpo.workers: 1` runs `stages.update.train.train_on_batch` here (on CUDA under bf16 autocast with the fp32
 weights, and with a resident vLLM engine asleep meanwhile). `grpo.workers: N` runs the same function
