@@ -36,7 +36,8 @@ def main() -> None:
     import torch
 
     from stages.policy import generate as gen
-    from stages.policy.agent_loop import ChatFormat, EpisodeSpec, _turn_seed, run_episodes
+    from stages.policy.agent_loop import EpisodeSpec, _turn_seed, run_episodes
+    from stages.policy.chat import ChatFormat
     from stages.policy.generate import HFBackend, SamplingConfig
     from stages.policy.load import load_policy
     from storage.schema import Message

@@ -29,7 +29,7 @@ def main() -> None:
 
     import torch
 
-    from stages.policy.agent_loop import ChatFormat
+    from stages.policy.chat import ChatFormat
     from stages.policy.generate import HFBackend, SamplingConfig
     from stages.policy.load import load_policy
     from storage.schema import Message

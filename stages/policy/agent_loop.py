@@ -33,6 +33,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stages.policy.chat import ChatFormat
 from stages.policy.generate import Backend, Sample, SamplingConfig, decode_turn
 from storage.schema import Message, ToolCall
 from tasks.base import Prompt, Task, parse_tool_calls
@@ -81,47 +82,6 @@ class Episode:
 class ToolResult:
     content: str
     error: bool
-
-
-class ChatFormat:
-    """The chat template's text between two states of a conversation, found by rendering both.
-
-    Works for any template whose rendering of earlier messages does not change when a message is
-    appended (chatml and most others; a template that rewrites history, e.g. one that drops the
-    reasoning of earlier turns, is refused with a clear error).
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def render(self, messages: list[Message], generation_prompt: bool) -> str:
-        """The template's text for `messages`. tool_calls are left out: the assistant's raw text
-        already carries the call tags, and a template with native tool-call rendering would print
-        the calls a second time, unlike what the model sampled."""
-        dicts = [{k: v for k, v in m.to_openai().items() if k != "tool_calls"} for m in messages]
-        return self.tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def encode(self, text: str) -> list[int]:
-        # No special tokens added: the template text already holds whatever BOS/markers it wants.
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def end_of_turn(self, history: list[Message], assistant: Message) -> str:
-        """What the template writes after an assistant message's content (chatml: "<|im_end|>\\n")."""
-        before = self.render(history, True) + (assistant.content or "")
-        return _difference(before, self.render(history + [assistant], False))
-
-    def tool_turn(self, history: list[Message], tool_messages: list[Message]) -> str:
-        """The tool messages followed by the next assistant generation prompt."""
-        return _difference(self.render(history, False), self.render(history + tool_messages, True))
-
-
-def _difference(before: str, after: str) -> str:
-    if not after.startswith(before):
-        raise ValueError(
-            "the chat template renders earlier messages differently once a message is appended, "
-            f"so the conversation cannot be grown token by token (expected a prefix {before[-80:]!r})"
-        )
-    return after[len(before) :]
 
 
 def call_tools(calls: list[ToolCall], tools: dict[str, Callable[..., str]], timeout: float) -> list[ToolResult]:

@@ -10,7 +10,7 @@ and builds every prompt so that an assistant message it generated earlier in the
 recorded sampled tokens, never a re-tokenization of its text (which can split differently, and
 whose text the client may have changed: tool calls come back as structured `tool_calls`, a stop
 string is cut off). The template text around it is found as in the built-in loop
-(`stages.policy.agent_loop.ChatFormat`): render before and after, encode the difference.
+(`stages.policy.chat.ChatFormat`): render before and after, encode the difference.
 
 `assemble` turns the calls of an episode into one rollout: each call's prompt either extends the
 previous prompt + completion token for token (the new tokens are template/tool text, mask 0), or
@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from stages.policy.agent_loop import ChatFormat, _difference
+from stages.policy.chat import ChatFormat, difference
 from storage.schema import Message, ToolCall
 
 
@@ -124,17 +124,17 @@ def _with_recorded(chat: ChatFormat, messages: list[Message], reused: dict[int, 
     for k in sorted(reused):
         turn = reused[k]
         before = chat.render(messages[:k], True)  # ... up to this turn's generation prompt
-        ids += chat.encode(_difference(done, before))
+        ids += chat.encode(difference(done, before))
         ids += turn.token_ids
         after = chat.render(messages[: k + 1], False)
-        end = _difference(before + (turn.message.content or ""), after)
+        end = difference(before + (turn.message.content or ""), after)
         if turn.token_ids and turn.token_ids[-1] in eos_ids:
             # The sampled EOS already is the start of the end-of-turn text (as in stages.policy.agent_loop._add_turn).
             eos_text = chat.tokenizer.decode(turn.token_ids[-1:], skip_special_tokens=False)
             end = end[len(eos_text):] if end.startswith(eos_text) else end
         ids += chat.encode(end) if end else []
         done = after
-    rest = _difference(done, chat.render(messages, True))
+    rest = difference(done, chat.render(messages, True))
     return ids + (chat.encode(rest) if rest else [])
 
 

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
 
-from stages.policy.agent_loop import ChatFormat
+from stages.policy.chat import ChatFormat
 from stages.policy.generate import Sample, SamplingConfig, decode_turn
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.policy.resident import ResidentPolicy
