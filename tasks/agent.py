@@ -34,22 +34,10 @@ import importlib.util
 import inspect
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.base import Prompt, Task
-
-
-@dataclass(frozen=True)
-class AgentSpec:
-    """How the rollout stage runs an external agent."""
-
-    entry: str
-    fn: Callable[..., Any]  # async def rollout(client, model, prompt)
-    version: str  # hash of the entry's source file and the prompts file: part of the rollout batch id
-    max_error_frac: float
-    episode_timeout: float  # seconds per episode
+from tasks.base import AgentSpec, Prompt, Task
 
 
 def load_entry(entry: str) -> tuple[Callable[..., Any], Path]:

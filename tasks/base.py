@@ -22,14 +22,11 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from storage.atomic import atomic_file
 from storage.ids import canonical_json
 from storage.schema import ToolCall
-
-if TYPE_CHECKING:
-    from tasks.agent import AgentSpec
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
@@ -42,6 +39,17 @@ class Prompt:
     prompt_id: str
     question: str  # the user message
     metadata: dict[str, Any]  # ground truth and task fields, stored in rollouts.metadata
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """How the rollout stage runs an external agent (built by tasks/agent.py)."""
+
+    entry: str
+    fn: Callable[..., Any]  # async def rollout(client, model, prompt)
+    version: str  # hash of the entry's source file and the prompts file: part of the rollout batch id
+    max_error_frac: float
+    episode_timeout: float  # seconds per episode
 
 
 @dataclass
