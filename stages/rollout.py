@@ -146,7 +146,10 @@ class RolloutWorker:
         if self.task.agent is not None:
             from stages.service.external import run_agent_shard
 
-            return run_agent_shard(self, batch_id, split, groups, base_seed)
+            return run_agent_shard(self.policy, self.task.agent, policy_id=self.policy_id, adapter_dir=self.adapter_dir,
+                                   task_name=self.task.name, sampling=self.sampling, group_size=self.config.group_size,
+                                   max_total_tokens=self.config.max_total_tokens, sampling_record=self.sampling_record(),
+                                   batch_id=batch_id, split=split, groups=groups, base_seed=base_seed)
         from stages.policy.agent_loop import EpisodeSpec, run_episodes
 
         G = self.config.group_size

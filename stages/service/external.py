@@ -17,52 +17,50 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
 from stages.policy.generate import SamplingConfig
+from stages.policy.resident import ResidentPolicy
 from stages.service.recorder import EpisodeLog, assemble, fingerprint
-from stages.service.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
 from stages.service.schemas import ChatMessage
+from stages.service.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
 from storage.schema import Message, Rollout, to_table
-from tasks.base import Prompt
+from tasks.base import AgentSpec, Prompt
 
 # The longest a queued request waits for the other running episodes' requests: tools are usually
 # milliseconds, a CPU generate call seconds.
 BATCH_WINDOW_S = 1.0
 
-if TYPE_CHECKING:
-    from stages.rollout import RolloutWorker
-    from tasks.agent import AgentSpec
 
-
-def run_agent_shard(worker: RolloutWorker, batch_id: str, split: str, groups: list[tuple[int, Prompt]],
+def run_agent_shard(policy: ResidentPolicy, agent: AgentSpec, *, policy_id: str, adapter_dir: str | None,
+                    task_name: str, sampling: SamplingConfig, group_size: int, max_total_tokens: int,
+                    sampling_record: dict[str, Any], batch_id: str, split: str, groups: list[tuple[int, Prompt]],
                     base_seed: int) -> pa.Table:
-    """One rollout row per episode of the shard's groups (G episodes per prompt)."""
-    config, agent = worker.config, worker.task.agent
-    G = config.group_size
-    forced = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
-                            max_new_tokens=config.max_new_tokens, stop=tuple(config.stop))
-    resolve, names = fixed_resolver(worker.policy_id, worker.adapter_dir)
+    """One rollout row per episode of the shard's groups (G = `group_size` episodes per prompt), sampled from
+    `policy_id` (its adapter folder; None for the base) on the resident `policy` with the run's `sampling`
+    forced on every request and `max_total_tokens` per episode. `task_name` and `sampling_record` are what
+    the rows' `task` and `sampling` columns store."""
+    G = group_size
+    resolve, names = fixed_resolver(policy_id, adapter_dir)
     episodes = [(f"{batch_id}-g{gi:05d}-s{s:03d}", prompt) for gi, prompt in groups for s in range(G)]
     running = _Running(len(episodes))
     # The batcher generates once every running episode has its next request queued (like the built-in
     # loop's lockstep turns); the window only bounds how long a slow agent or tool holds the others.
-    service = PolicyService(worker.policy, resolve, ServiceConfig(default_max_tokens=config.max_new_tokens, forced=forced,
-                                                                   max_total_tokens=config.max_total_tokens, seed=base_seed,
-                                                                   batch_window_s=BATCH_WINDOW_S),
+    service = PolicyService(policy, resolve, ServiceConfig(default_max_tokens=sampling.max_new_tokens, forced=sampling,
+                                                           max_total_tokens=max_total_tokens, seed=base_seed,
+                                                           batch_window_s=BATCH_WINDOW_S),
                             names, in_flight=lambda: running.count)
     try:
         with ServerThread(build_app(service)) as url:
             # A thread of its own: asyncio.run refuses to nest in a caller's running event loop.
             with ThreadPoolExecutor(1) as pool:
-                outcomes = pool.submit(asyncio.run, _run_all(url, worker.policy_id, agent, episodes, running)).result()
+                outcomes = pool.submit(asyncio.run, _run_all(url, policy_id, agent, episodes, running)).result()
     finally:
         service.close()
 
     rows, errors = [], []
-    sampling = worker.sampling_record()
     for (rollout_id, prompt), (result, error, seconds) in zip(episodes, outcomes):
         gi, s = (int(x[1:]) for x in rollout_id.rsplit("-", 2)[1:])
         log = service.recorder.pop(rollout_id) or EpisodeLog()
@@ -73,8 +71,8 @@ def run_agent_shard(worker: RolloutWorker, batch_id: str, split: str, groups: li
         if fields["finish_reason"] == "error":
             errors.append(f"{rollout_id}: {fields['metadata']['error']}")
         rows.append(Rollout(
-            rollout_id=rollout_id, batch_id=batch_id, policy_id=worker.policy_id, task=worker.task.name, split=split,
-            prompt_id=prompt.prompt_id, group_id=f"{batch_id}-g{gi:05d}", sample_idx=s, sampling=sampling,
+            rollout_id=rollout_id, batch_id=batch_id, policy_id=policy_id, task=task_name, split=split,
+            prompt_id=prompt.prompt_id, group_id=f"{batch_id}-g{gi:05d}", sample_idx=s, sampling=sampling_record,
             seed=base_seed + gi * G + s, gen_seconds=seconds, **fields))
     if len(errors) > agent.max_error_frac * len(rows):
         raise RuntimeError(f"{len(errors)} of {len(rows)} agent episodes failed (max_error_frac={agent.max_error_frac}); "
