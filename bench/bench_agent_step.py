@@ -40,11 +40,12 @@ def main() -> None:
 
     from stages.policy.agent_loop import EpisodeSpec, run_episodes
     from stages.common import resolve_policy
-    from stages.policy.generate import HFBackend, SamplingConfig
+    from stages.policy.generate import HFBackend
     from stages.update.config import GRPOConfig
     from stages.update.data import Sample
     from stages.update.train import make_optimizer, train_on_batch
     from stages.policy.load import load_policy
+    from stages.policy.sampling import SamplingConfig
     from storage.workspace import Workspace
     from tasks.doc_search import make_task
 

@@ -38,8 +38,9 @@ def main() -> None:
     from stages.policy import generate as gen
     from stages.policy.agent_loop import EpisodeSpec, _turn_seed, run_episodes
     from stages.policy.chat import ChatFormat
-    from stages.policy.generate import HFBackend, SamplingConfig
+    from stages.policy.generate import HFBackend
     from stages.policy.load import load_policy
+    from stages.policy.sampling import SamplingConfig
     from storage.schema import Message
     from tasks.base import load_task
 

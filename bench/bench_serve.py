@@ -87,7 +87,7 @@ def ttft(policy, repeats: int) -> str:
     import openai
 
     from stages.service.serve import PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
-    from stages.policy.generate import SamplingConfig
+    from stages.policy.sampling import SamplingConfig
     from tasks.base import render_system_prompt
     from tasks.doc_search import SYSTEM_PROMPT, TOOL_SPECS, make_task
 

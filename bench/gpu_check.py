@@ -58,9 +58,9 @@ def main() -> None:
 
     from flows import pipeline
     from flows.run_config import from_dict
-    from stages.policy import engine
     from stages.common import StageContext
     from stages.policy.model import prepare_default_model
+    from stages.policy import engine
     from storage.workspace import Workspace
 
     assert torch.cuda.is_available(), "no CUDA device"

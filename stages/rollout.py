@@ -91,7 +91,7 @@ class RolloutWorker:
             self.tokenizer = self.backend.tokenizer
 
     def prepare_config(self, config: RolloutConfig) -> None:
-        from stages.policy.generate import SamplingConfig
+        from stages.policy.sampling import SamplingConfig
 
         self.config = config
         self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stages.policy.chat import ChatFormat
-from stages.policy.generate import Backend, Sample, SamplingConfig, decode_turn
+from stages.policy.sampling import Backend, Sample, SamplingConfig, decode_turn
 from storage.schema import Message, ToolCall
 from tasks.base import Prompt, Task, parse_tool_calls
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Any, Literal
 
-from stages.policy.generate import Sample, SamplingConfig
+from stages.policy.sampling import Sample, SamplingConfig
 
 Engine = Literal["hf", "vllm"]
 
@@ -44,7 +44,7 @@ class ResidentPolicy:
     def load(cls, base_model: str, engine: Engine = "hf", max_adapters: int = 8) -> "ResidentPolicy":
         """Load the base model once (fp32 on CPU, bf16 on CUDA, as `load_policy`) in eval mode."""
         if engine == "vllm":
-            from stages.policy.generate import VLLMBackend
+            from stages.policy.engine import VLLMBackend
 
             backend = VLLMBackend(base_model)
             return cls(backend, backend.tokenizer, engine, max_adapters)

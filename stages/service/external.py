@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from stages.policy.generate import SamplingConfig
+from stages.policy.sampling import SamplingConfig
 from stages.policy.resident import ResidentPolicy
 from stages.service.recorder import EpisodeLog, assemble, fingerprint
 from stages.service.schemas import ChatMessage

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from stages.policy.generate import Sample
+from stages.policy.sampling import Sample
 from storage.schema import Message, ToolCall
 from tasks.base import OPEN_TAG, TOOL_CALL_RE, render_system_prompt
 

@@ -40,7 +40,7 @@ from typing import Any, Callable
 from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
 
 from stages.policy.chat import ChatFormat
-from stages.policy.generate import Sample, SamplingConfig, decode_turn
+from stages.policy.sampling import Sample, SamplingConfig, decode_turn
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.policy.resident import ResidentPolicy
 from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from stages.policy.agent_loop import EpisodeSpec, call_tools, run_episodes
-from stages.policy.generate import Sample, SamplingConfig
+from stages.policy.sampling import Sample, SamplingConfig
 from storage.schema import Message, ToolCall
 from tasks.base import Prompt, Task
 

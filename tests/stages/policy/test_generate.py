@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from stages.policy.agent_loop import EpisodeSpec, run_episodes
-from stages.policy.generate import HFBackend, SamplingConfig
+from stages.policy.generate import HFBackend
 from stages.policy.load import load_policy
+from stages.policy.sampling import SamplingConfig
 from tasks.base import Prompt, Task
 
 QUESTIONS = ["Hi", "What is 12 + 30? Answer with a number.", "Tell me a long story about a cat who lives in Paris."]
@@ -240,10 +241,10 @@ def test_the_decoding_cache_appends_in_place() -> None:
     and starts a new buffer when its tensors were replaced from outside (batch_select_indices)."""
     from transformers import DynamicCache, LlamaConfig
 
-    from stages.policy.generate import _growing
+    from stages.policy.kv_cache import growing
 
     config = LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
-    grown, plain = _growing(DynamicCache(config=config)), DynamicCache(config=config)
+    grown, plain = growing(DynamicCache(config=config)), DynamicCache(config=config)
     torch.manual_seed(0)
     steps = [torch.randn(3, 1, n, 8) for n in (5, 1, 1, 1)]  # a prompt of 5, then 3 decoding steps
     pointers = set()
