@@ -40,7 +40,7 @@ def main() -> None:
 
     from stages.policy.agent_loop import EpisodeSpec, run_episodes
     from stages.common import resolve_policy
-    from stages.policy.generate import HFBackend
+    from stages.policy.hf import HFBackend
     from stages.update.config import GRPOConfig
     from stages.update.data import Sample
     from stages.update.train import make_optimizer, train_on_batch

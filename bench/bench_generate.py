@@ -35,10 +35,10 @@ def main() -> None:
 
     import torch
 
-    from stages.policy import generate as gen
+    from stages.policy import hf as gen
     from stages.policy.agent_loop import EpisodeSpec, _turn_seed, run_episodes
     from stages.policy.chat import ChatFormat
-    from stages.policy.generate import HFBackend
+    from stages.policy.hf import HFBackend
     from stages.policy.load import load_policy
     from stages.policy.sampling import SamplingConfig
     from storage.schema import Message

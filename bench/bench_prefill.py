@@ -30,7 +30,7 @@ def main() -> None:
     import torch
 
     from stages.policy.chat import ChatFormat
-    from stages.policy.generate import HFBackend
+    from stages.policy.hf import HFBackend
     from stages.policy.load import load_policy
     from stages.policy.sampling import SamplingConfig
     from storage.schema import Message

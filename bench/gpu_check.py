@@ -4,7 +4,7 @@ the vLLM backend.
     bash bench/gpu_check.sh          # installs vllm, prepares the model, runs this
 
 What it exercises: one resident vLLM engine for the whole run (adapters hot-swapped per step,
-stages/policy/engine.py), asleep while GRPO trains on the same GPU; GRPO in bf16 autocast with fp32 LoRA
+stages/policy/vllm.py), asleep while GRPO trains on the same GPU; GRPO in bf16 autocast with fp32 LoRA
 weights. What it prints: the time of each step, generation tokens/s per step, and how well vLLM's
 behaviour log-probs agree with the trainer's log-probs of the same policy on the same tokens
 (mean |Δ| and the share of tokens with |Δ| > 1e-2): that gap is what the importance ratio of the
@@ -60,7 +60,7 @@ def main() -> None:
     from flows.run_config import from_dict
     from stages.common import StageContext
     from stages.policy.model import prepare_default_model
-    from stages.policy import engine
+    from stages.policy import vllm as engine
     from storage.workspace import Workspace
 
     assert torch.cuda.is_available(), "no CUDA device"

@@ -85,7 +85,7 @@ class RolloutWorker:
 
             self.policy = ResidentPolicy.load(base_model, config.backend)  # one per worker; adapters by folder
         elif config.backend == "vllm":
-            from stages.policy.engine import resident_vllm
+            from stages.policy.vllm import resident_vllm
 
             self.backend = resident_vllm(base_model)  # built once per process, reused step after step
             self.tokenizer = self.backend.tokenizer
@@ -110,7 +110,7 @@ class RolloutWorker:
         if config.backend == "vllm":
             self.backend.use_adapter(policy_id, self.adapter_dir)
         elif self.session is None:
-            from stages.policy.generate import HFBackend
+            from stages.policy.hf import HFBackend
             from stages.policy.load import load_policy
 
             self.backend = None  # the previous policy's model can go before the next one loads
@@ -121,7 +121,7 @@ class RolloutWorker:
         """(backend, context to generate in) for the prepared policy."""
         if self.session is None or self.config.backend == "vllm":
             return self.backend, nullcontext()
-        from stages.policy.generate import HFBackend
+        from stages.policy.hf import HFBackend
 
         resident, context = self.session.generation(self.base_model, self.policy_id, self.adapter_dir)
         self.tokenizer = resident.tokenizer

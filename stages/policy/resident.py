@@ -44,11 +44,11 @@ class ResidentPolicy:
     def load(cls, base_model: str, engine: Engine = "hf", max_adapters: int = 8) -> "ResidentPolicy":
         """Load the base model once (fp32 on CPU, bf16 on CUDA, as `load_policy`) in eval mode."""
         if engine == "vllm":
-            from stages.policy.engine import VLLMBackend
+            from stages.policy.vllm import VLLMBackend
 
             backend = VLLMBackend(base_model)
             return cls(backend, backend.tokenizer, engine, max_adapters)
-        from stages.policy.generate import HFBackend
+        from stages.policy.hf import HFBackend
         from stages.policy.load import load_policy
 
         model, tokenizer = load_policy(base_model)

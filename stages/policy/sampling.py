@@ -1,8 +1,8 @@
 """What every generation backend shares: how a turn is sampled, what a sample holds, the backend contract.
 
 One small interface, `Backend.generate(prompt_token_ids, sampling, seed) -> list[Sample]`, with two
-implementations: `HFBackend` (stages/policy/generate.py: transformers, batched, the CPU default) and
-`VLLMBackend` (stages/policy/engine.py: GPU, LoRA adapters hot-loaded per policy id).
+implementations: `HFBackend` (stages/policy/hf.py: transformers, batched, the CPU default) and
+`VLLMBackend` (stages/policy/vllm.py: GPU, LoRA adapters hot-loaded per policy id).
 
 The behavior log-prob of a sampled token is log_softmax(logits / temperature) at that token: the
 same definition the GRPO stage uses when it recomputes log-probs. top_p truncation changes which

@@ -41,7 +41,7 @@ def train(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.T
           temperature: float, ctx: StageContext, base_model: str) -> list[dict[str, float]]:
     """`train_on_batch` (at the samples' sampling `temperature`) with `config.workers` workers; updates
     `model` and `optimizer` in place and returns one metrics dict per epoch (as `train_on_batch`)."""
-    from stages.policy.engine import engines_asleep
+    from stages.policy.vllm import engines_asleep
 
     workers = min(config.workers, len(samples))  # every worker needs at least one sample
     with engines_asleep():  # a resident vLLM engine gives its GPU memory to training meanwhile

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stages.policy.agent_loop import EpisodeSpec, run_episodes
-from stages.policy.generate import HFBackend
+from stages.policy.hf import HFBackend
 from stages.policy.load import load_policy
 from stages.policy.sampling import SamplingConfig
 from tasks.base import Prompt, Task
@@ -75,7 +75,7 @@ def test_logprobs_match_a_fresh_forward_pass(policy: tuple[Any, Any], temperatur
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_the_fast_sampler_draws_from_the_softmax(temperature: float) -> None:
-    from stages.policy.generate import _InverseCDFSampler
+    from stages.policy.hf import _InverseCDFSampler
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0, 0.5]]).repeat(40_000, 1)  # (N, V): one draw per row
     torch.manual_seed(0)
