@@ -86,7 +86,9 @@ def main() -> None:
 def ttft(policy, repeats: int) -> str:
     import openai
 
-    from stages.service.serve import PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
+    from stages.service.app import ServerThread, build_app
+    from stages.service.resolve import fixed_resolver
+    from stages.service.serve import PolicyService, ServiceConfig
     from stages.policy.sampling import SamplingConfig
     from tasks.base import render_system_prompt
     from tasks.doc_search import SYSTEM_PROMPT, TOOL_SPECS, make_task

@@ -34,7 +34,7 @@ VICTIM = textwrap.dedent('''
     def test_servers_then_wait(prefect_server, s3, tmp_path):
         from fastapi import FastAPI
 
-        from stages.service.serve import ServerThread
+        from stages.service.app import ServerThread
 
         with LocalRayCluster(worker_cpus=1), ServerThread(FastAPI()):
             Path(os.environ["VICTIM_READY"]).write_text("up")

@@ -25,7 +25,9 @@ from stages.policy.sampling import SamplingConfig
 from stages.policy.resident import ResidentPolicy
 from stages.service.recorder import EpisodeLog, assemble, fingerprint
 from stages.service.schemas import ChatMessage
-from stages.service.serve import EPISODE_HEADER, PolicyService, ServerThread, ServiceConfig, build_app, fixed_resolver
+from stages.service.app import EPISODE_HEADER, ServerThread, build_app
+from stages.service.resolve import fixed_resolver
+from stages.service.serve import PolicyService, ServiceConfig
 from storage.schema import Message, Rollout, to_table
 from tasks.base import AgentSpec, Prompt
 

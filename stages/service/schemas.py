@@ -1,7 +1,7 @@
 """The OpenAI request and response shapes of the policy service, and their conversions.
 
 Requests are validated with pydantic: a malformed one (a missing field, a wrong type, an unknown
-role, `stream: true`, ...) is a 400 with an OpenAI-style error body, built in stages/service/serve.py.
+role, `stream: true`, ...) is a 400 with an OpenAI-style error body, built in stages/service/app.py.
 Only the fields rlops implements are read; other OpenAI fields (`tool_choice`,
 `parallel_tool_calls`, `stream_options`, ...) are accepted and ignored, as vLLM does.
 """

@@ -1,13 +1,11 @@
-"""The policy service: an OpenAI-compatible HTTP endpoint over a resident policy, recording tokens.
+"""The policy service: what answers each request, batched generation over a resident policy, recording tokens.
 
-    service = PolicyService(ResidentPolicy.load(base), catalog_resolver(settings, base))
-    with ServerThread(build_app(service)) as url:      # uvicorn on 127.0.0.1, a free port
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    resolve, names = catalog_resolver(checkpoints_file, base)  # stages/service/resolve.py
+    service = PolicyService(ResidentPolicy.load(base), resolve, names=names)
+    body = await service.chat_completion(request, episode_id)   # what POST /v1/chat/completions returns
 
-Endpoints: `POST /v1/chat/completions` (messages, tools, n, temperature, top_p, max_tokens, stop,
-seed, logprobs), `POST /v1/completions`, `GET /v1/models`, and `GET /rlops/episodes/{id}` (an
-episode's recorded tokens, assembled as a rollout). The `model` field names a policy: a checkpoint
-id, `base`, or `RUN@latest`; adapters are hot-loaded by the resident policy.
+The HTTP app around it is stages/service/app.py. The `model` field names a policy, resolved per request
+(stages/service/resolve.py); adapters are hot-loaded by the resident policy.
 
 Episodes: a call is recorded under the episode id of its `X-Episode-Id` header, else of its `user`
 field; a call with neither is served but not recorded. See stages/service/recorder.py.
@@ -18,9 +16,8 @@ sampling settings in one `generate` call (n > 1 is n prompts of that call). A re
 `seed` is generated alone, so the same request with the same seed repeats exactly; unseeded calls
 draw their batch seed from the service's seeded stream.
 
-Errors are OpenAI-style JSON: 400 for a malformed request or a prompt over the context, 404 for
-an unknown model or episode, 500 (with the message, never a traceback) if generation fails; the
-server keeps serving.
+A refused request raises `ServiceError` with its HTTP status and OpenAI error code (the app turns it
+into an OpenAI-style error body).
 """
 
 from __future__ import annotations
@@ -28,30 +25,22 @@ from __future__ import annotations
 import asyncio
 import queue
 import random
-import socket
 import threading
 import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable
 
-from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
-
 from stages.policy.chat import ChatFormat
+from stages.policy.resident import ResidentPolicy
 from stages.policy.sampling import Sample, SamplingConfig, decode_turn
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
-from stages.policy.resident import ResidentPolicy
-from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,
-                              visible_text, without_tool_calls)
+from stages.service.resolve import Resolver
+from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, visible_text,
+                                    without_tool_calls)
 from storage.schema import Message, ToolCall
 from tasks.base import parse_tool_calls
-
-EPISODE_HEADER = "X-Episode-Id"
-
-# A model name -> (policy id, adapter folder or None for the base). Raises KeyError when unknown.
-Resolver = Callable[[str], tuple[str, str | None]]
 
 
 class ServiceError(Exception):
@@ -262,142 +251,3 @@ class PolicyService:
 def _usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:
     completion = sum(len(s.token_ids) for s in samples)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
-
-
-def build_app(service: PolicyService) -> Any:
-    """The FastAPI app of a service."""
-    from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-
-    app = FastAPI(title="rlops policy service", docs_url=None, redoc_url=None)
-
-    def episode_of(request: Request, user: str | None) -> str | None:
-        return request.headers.get(EPISODE_HEADER) or user
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"),
-                                status_code=400)
-        where = ".".join(str(p) for p in first.get("loc", ())[1:])
-        return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}" if where else
-                                       str(first.get("msg", "invalid request")), param=where or None), status_code=400)
-
-    @app.exception_handler(ServiceError)
-    async def _refused(request: Request, exc: ServiceError) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return JSONResponse(error_body(str(exc), kind, exc.code), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def _failed(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request) -> dict[str, Any]:
-        return await service.chat_completion(req, episode_of(request, req.user))
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> dict[str, Any]:
-        return await service.completion(req, episode_of(request, req.user))
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "rlops"}
-                                           for n in service.names()]}
-
-    @app.get("/rlops/episodes/{episode_id}")
-    async def episode(episode_id: str) -> dict[str, Any]:
-        return service.episode(episode_id)
-
-    return app
-
-
-class ServerThread:
-    """uvicorn serving an app on 127.0.0.1 in a background thread; the context value is its base URL."""
-
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))  # port 0: a free one, known before the server starts
-        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError(f"the policy service failed to start on {self.url}")
-            time.sleep(0.01)
-        return self.url
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join()
-        self.sock.close()
-
-
-# -- which policies a workspace serves ------------------------------------------------------
-
-
-def _checkpoints(checkpoints_file: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
-    if not checkpoints_file.exists():
-        return []
-    cols = ["policy_id", "base_model", "kind", "adapter_uri", "run_name", "created_at"]
-    return sorted(pq.read_table(checkpoints_file, columns=cols).to_pylist(), key=lambda r: r["created_at"])
-
-
-def find_checkpoint(checkpoints_file: Path, name: str) -> dict[str, Any]:
-    """The checkpoint row a policy id or `RUN@latest` (the run's newest trained checkpoint) names,
-    from the catalog's Parquet snapshot (kept current by a running pipeline, readable without a lock)."""
-    table = _checkpoints(checkpoints_file)
-    if name.endswith("@latest"):
-        run = name[: -len("@latest")]
-        trained = [r for r in table if r["run_name"] == run and r["kind"] != "base"]
-        if not trained:
-            raise KeyError(f"run {run!r} has no trained checkpoint in this workspace")
-        return trained[-1]
-    row = next((r for r in table if r["policy_id"] == name), None)
-    if row is None:
-        raise KeyError(f"unknown model {name!r}: not a checkpoint id, 'base' or 'RUN@latest'")
-    return row
-
-
-def catalog_resolver(checkpoints_file: Path, base_model: str) -> tuple[Resolver, Callable[[], list[str]]]:
-    """Resolve `model` names against a workspace's checkpoints: a policy id, `base`, or `RUN@latest`.
-    Only checkpoints of `base_model` can be served. Read on every request, so checkpoints written
-    after the server started are served without a restart."""
-
-    def resolve(name: str) -> tuple[str, str | None]:
-        if name == "base":
-            return "base", None
-        row = find_checkpoint(checkpoints_file, name)
-        if row["base_model"] != base_model:
-            raise KeyError(f"{row['policy_id']} is trained on {row['base_model']!r}; this server serves {base_model!r}")
-        if row["adapter_uri"] and not Path(row["adapter_uri"]).exists():
-            raise KeyError(f"the adapter files of {row['policy_id']} are missing: {row['adapter_uri']}")
-        return row["policy_id"], row["adapter_uri"]
-
-    def names() -> list[str]:
-        table = [r for r in _checkpoints(checkpoints_file) if r["kind"] != "base" and r["base_model"] == base_model]
-        runs = sorted({r["run_name"] for r in table if r["run_name"]})
-        return ["base"] + [r["policy_id"] for r in table] + [f"{run}@latest" for run in runs]
-
-    return resolve, names
-
-
-def fixed_resolver(policy_id: str, adapter_dir: str | None) -> tuple[Resolver, Callable[[], list[str]]]:
-    """Serve exactly one policy (the rollout stage's), named by its id."""
-
-    def resolve(name: str) -> tuple[str, str | None]:
-        if name != policy_id:
-            raise KeyError(f"unknown model {name!r}: this rollout serves {policy_id!r} (the `model` argument)")
-        return policy_id, adapter_dir
-
-    return resolve, lambda: [policy_id]

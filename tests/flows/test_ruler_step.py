@@ -137,7 +137,9 @@ def served_judge(model_dir: Path, workspace: Path) -> Iterator[ServedJudge]:
     """The policy service as `rlops serve --base-model MODEL_DIR --workspace WORKSPACE` builds it, on a
     free port; every chat request it answers is recorded (the handler is wrapped on the instance)."""
     from stages.policy.resident import ResidentPolicy
-    from stages.service.serve import PolicyService, ServerThread, build_app, catalog_resolver
+    from stages.service.app import ServerThread, build_app
+    from stages.service.resolve import catalog_resolver
+    from stages.service.serve import PolicyService
     from storage.settings import Settings
 
     resolve, names = catalog_resolver(Settings.from_env(workspace).snapshot_dir / "checkpoints.parquet", str(model_dir))

@@ -1,0 +1,107 @@
+"""The policy service over HTTP: the OpenAI-compatible FastAPI app and the uvicorn thread serving it.
+
+    resolve, names = catalog_resolver(checkpoints_file, base)
+    service = PolicyService(ResidentPolicy.load(base), resolve, names=names)
+    with ServerThread(build_app(service)) as url:      # uvicorn on 127.0.0.1, a free port
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+
+Endpoints: `POST /v1/chat/completions` (messages, tools, n, temperature, top_p, max_tokens, stop,
+seed, logprobs), `POST /v1/completions`, `GET /v1/models`, and `GET /rlops/episodes/{id}` (an
+episode's recorded tokens, assembled as a rollout). A call is recorded under the episode id of its
+`X-Episode-Id` header, else of its `user` field (stages/service/service.py).
+
+Errors are OpenAI-style JSON: 400 for a malformed request or a prompt over the context, 404 for
+an unknown model or episode, 500 (with the message, never a traceback) if generation fails; the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
+
+from stages.service.schemas import ChatRequest, CompletionRequest, error_body
+from stages.service.serve import PolicyService, ServiceError
+
+EPISODE_HEADER = "X-Episode-Id"
+
+
+def build_app(service: PolicyService) -> Any:
+    """The FastAPI app of a service."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="rlops policy service", docs_url=None, redoc_url=None)
+
+    def episode_of(request: Request, user: str | None) -> str | None:
+        return request.headers.get(EPISODE_HEADER) or user
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"),
+                                status_code=400)
+        where = ".".join(str(p) for p in first.get("loc", ())[1:])
+        return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}" if where else
+                                       str(first.get("msg", "invalid request")), param=where or None), status_code=400)
+
+    @app.exception_handler(ServiceError)
+    async def _refused(request: Request, exc: ServiceError) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return JSONResponse(error_body(str(exc), kind, exc.code), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request) -> dict[str, Any]:
+        return await service.chat_completion(req, episode_of(request, req.user))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> dict[str, Any]:
+        return await service.completion(req, episode_of(request, req.user))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "rlops"}
+                                           for n in service.names()]}
+
+    @app.get("/rlops/episodes/{episode_id}")
+    async def episode(episode_id: str) -> dict[str, Any]:
+        return service.episode(episode_id)
+
+    return app
+
+
+class ServerThread:
+    """uvicorn serving an app on 127.0.0.1 in a background thread; the context value is its base URL."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))  # port 0: a free one, known before the server starts
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the policy service failed to start on {self.url}")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+        self.sock.close()
