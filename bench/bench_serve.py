@@ -88,7 +88,7 @@ def ttft(policy, repeats: int) -> str:
 
     from stages.service.app import ServerThread, build_app
     from stages.service.resolve import fixed_resolver
-    from stages.service.serve import PolicyService, ServiceConfig
+    from stages.service.service import PolicyService, ServiceConfig
     from stages.policy.sampling import SamplingConfig
     from tasks.base import render_system_prompt
     from tasks.doc_search import SYSTEM_PROMPT, TOOL_SPECS, make_task

@@ -289,7 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from stages.policy.resident import ResidentPolicy
     from stages.service.app import build_app
     from stages.service.resolve import catalog_resolver, find_checkpoint
-    from stages.service.serve import PolicyService, ServiceConfig
+    from stages.service.service import PolicyService, ServiceConfig
     from storage.settings import Settings
 
     snapshot = Settings.from_env(args.workspace).snapshot_dir / "checkpoints.parquet"

@@ -10,7 +10,7 @@ The entry is a plain coroutine function, with no rlops import needed:
 
     async def rollout(client: openai.AsyncOpenAI, model: str, prompt: str) -> dict | list | None
 
-The rollout stage serves the policy being trained (stages/service/serve.py, on 127.0.0.1) and calls it G
+The rollout stage serves the policy being trained (stages/service/service.py, on 127.0.0.1) and calls it G
 times per prompt, concurrently, with a client whose every request is recorded under that episode;
 the agent must pass `model` on as the request's `model`. Its result may be
   - a dict with `messages` (the final conversation, OpenAI message dicts or the client's message

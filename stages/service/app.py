@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
 
 from stages.service.schemas import ChatRequest, CompletionRequest, error_body
-from stages.service.serve import PolicyService, ServiceError
+from stages.service.service import PolicyService, ServiceError
 
 EPISODE_HEADER = "X-Episode-Id"
 

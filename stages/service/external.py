@@ -27,7 +27,7 @@ from stages.service.recorder import EpisodeLog, assemble, fingerprint
 from stages.service.schemas import ChatMessage
 from stages.service.app import EPISODE_HEADER, ServerThread, build_app
 from stages.service.resolve import fixed_resolver
-from stages.service.serve import PolicyService, ServiceConfig
+from stages.service.service import PolicyService, ServiceConfig
 from storage.schema import Message, Rollout, to_table
 from tasks.base import AgentSpec, Prompt
 

@@ -1,7 +1,7 @@
 """Token-exact recording of an episode served over an OpenAI-compatible API.
 
 An external agent sends whole conversations, as text, on every call. To train on what the policy
-really did, the policy service (stages/service/serve.py) records per call and episode id:
+really did, the policy service (stages/service/service.py) records per call and episode id:
 
     prompt ids    the tokens the model was given (built below)
     sampled ids   what it sampled, EOS included, with the behaviour log-prob of each token

@@ -139,7 +139,7 @@ def served_judge(model_dir: Path, workspace: Path) -> Iterator[ServedJudge]:
     from stages.policy.resident import ResidentPolicy
     from stages.service.app import ServerThread, build_app
     from stages.service.resolve import catalog_resolver
-    from stages.service.serve import PolicyService
+    from stages.service.service import PolicyService
     from storage.settings import Settings
 
     resolve, names = catalog_resolver(Settings.from_env(workspace).snapshot_dir / "checkpoints.parquet", str(model_dir))

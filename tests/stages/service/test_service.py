@@ -23,7 +23,7 @@ import torch
 from stages.policy.resident import ResidentPolicy
 from stages.service.app import ServerThread, build_app
 from stages.service.resolve import catalog_resolver, fixed_resolver
-from stages.service.serve import PolicyService, ServiceConfig
+from stages.service.service import PolicyService, ServiceConfig
 from storage.schema import segment_bounds
 from storage.workspace import Workspace
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS, scripted_model_dir, script_messages  # noqa: F401
