@@ -42,7 +42,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from rewards.reach import USER_FILE_MODULE_PREFIX, ReachWarning, is_installed_file, reach
+from rewards.reach import ReachWarning, reach
+from rewards.reach_origin import USER_FILE_MODULE_PREFIX, is_installed_file
 from storage.ids import canonical_json
 from storage.schema import Rollout
 
