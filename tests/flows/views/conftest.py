@@ -1,0 +1,117 @@
+"""The views' shared run: one real pipeline run that every test of tests/flows/views/ reads.
+
+`run_ws` (package scope, built once): `rlops run` on the tiny model with its temporary Prefect server
+(state in the workspace), then `rlops retrain` with an edited reward and an added judge-like reward
+(new versions to diff, explanations to show, a retrain branch), plus a batch of hand-built
+tool-calling episodes (a random tiny model makes no tool calls). Model and tool text carries
+`<script>alert(1)</script>` and rich markup, which must come out as text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from bs4 import BeautifulSoup
+
+from storage.workspace import Workspace
+from tests.flows.conftest import tiny_config
+
+RUN = "insp"
+XSS = "<script>alert(1)</script>"
+MARKUP = "[bold red]not markup[/bold red]"
+JUDGE = '''
+from rewards.base import reward
+
+
+@reward(low=0.0, high=1.0)
+def judged(rollout):
+    """A stand-in for a judge: a value and an explanation that quotes model output."""
+    text = rollout.messages[-1].content or ""
+    return float(len(text) % 2), {"explanation": f"the answer <b>{text[:12]}</b> has {len(text)} characters"}
+'''
+
+
+def cli(ws: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _tool_run(ws: Workspace, model_dir: Path, judge_file: Path) -> None:
+    """Run "tools": one hand-built training batch of tool-calling episodes (tests/factories.py), recorded
+    as the rollout stage records its batches, then scored by the real score stage."""
+    from stages import score
+    from stages.common import StageContext, base_policy
+    from storage.schema import Rollout, to_table
+    from tests.factories import tool_episode
+
+    policy = base_policy(ws, str(model_dir))
+    episodes: list[Rollout] = []
+    for g in range(2):
+        for s in range(3):
+            ep = tool_episode("ro-tools", g, s, answer="1987" if (g + s) % 2 else f"maybe 1986 {XSS}")
+            ep.policy_id = policy
+            ep.messages[3].content += f" {XSS} {MARKUP}"
+            episodes.append(ep)
+    ws.write_part("rollouts", "ro-tools", to_table(episodes), part="part-00000")
+    ws.catalog.complete_artifact("ro-tools", "rollouts", "rollout", [policy], "h",
+                                 meta={"step": 0, "split": "train", "policy_id": policy})
+    ws.catalog.record_stage_run({"stage": "rollout", "artifact_id": "ro-tools", "inputs": [policy], "status": "complete",
+                                 "run_name": "tools"})
+    score_cfg = {"rewards": [{"name": "correct", "fn": "rewards.builtin.exact_match"},
+                             {"name": "judged", "fn": f"{judge_file}:judged"}]}
+    ws.catalog.upsert_run("tools", {"score": score_cfg}, None, "complete")
+    score.run(score.ScoreConfig(**score_cfg), StageContext(ws, run_name="tools"), ["ro-tools"])
+
+
+@pytest.fixture(scope="package")
+def run_ws(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Workspace:
+    tmp = tmp_path_factory.mktemp("inspect")
+    ws_dir = tmp / "ws"
+    data = tmp / "problems.jsonl"
+    rows = [{"question": f"What is {a} + 1? {XSS} {MARKUP}", "answer": a + 1, "split": "train"} for a in range(10, 14)]
+    rows += [{"question": f"What is {a} + 2?", "answer": a + 2, "split": "test"} for a in (50, 60)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_config(tiny_model_dir, name=RUN, steps=2)
+    cfg["task"] = {"name": "arithmetic", "params": {"data_file": str(data)}}
+    cfg["eval"]["n_prompts"] = 2
+    cfg["mlflow_models"] = "all"
+    (tmp / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = cli(ws_dir, "run", str(tmp / "run.yaml"))
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    judge_file = tmp / "judge_reward.py"
+    judge_file.write_text(JUDGE)
+    edited = json.loads(json.dumps(cfg))
+    edited["score"]["rewards"][1]["params"]["limit"] = 2  # a new version of "short"
+    edited["score"]["rewards"].append({"name": "judged", "fn": f"{judge_file}:judged", "weight": 0.0})
+    (tmp / "edited.yaml").write_text(yaml.safe_dump(edited))
+    ws = Workspace.open(ws_dir)
+    sft = next(c["policy_id"] for c in ws.catalog.checkpoints(RUN) if c["kind"] == "sft")
+    out = cli(ws_dir, "retrain", str(tmp / "edited.yaml"), "--run", RUN, "--from", sft)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _tool_run(ws, tiny_model_dir, judge_file)
+    return ws
+
+
+def soup(path: Path) -> BeautifulSoup:
+    return BeautifulSoup(path.read_text(), "html.parser")
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make test installs it: apt-get install chromium)")
+
+
+def dump_dom(url: str, budget_ms: int = 5000) -> str:
+    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                          "--no-first-run", f"--virtual-time-budget={budget_ms}", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
