@@ -38,14 +38,14 @@ def main() -> None:
 
     import torch
 
-    from stages.policy.agent_loop import EpisodeSpec, run_episodes
     from stages.common import resolve_policy
+    from stages.policy.agent_loop import EpisodeSpec, run_episodes
     from stages.policy.hf import HFBackend
+    from stages.policy.load import load_policy
+    from stages.policy.sampling import SamplingConfig
     from stages.update.config import GRPOConfig
     from stages.update.data import Sample
     from stages.update.train import make_optimizer, train_on_batch
-    from stages.policy.load import load_policy
-    from stages.policy.sampling import SamplingConfig
     from storage.workspace import Workspace
     from tasks.doc_search import make_task
 

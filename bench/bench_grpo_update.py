@@ -19,12 +19,12 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from stages.policy.logprobs import token_logprobs
+    from stages.policy.lora import add_lora
+    from stages.policy.model import resolve_model
     from stages.update.config import GRPOConfig
     from stages.update.data import Sample
     from stages.update.train import train_on_batch
-    from stages.policy.lora import add_lora
-    from stages.policy.logprobs import token_logprobs
-    from stages.policy.model import resolve_model
 
     if threads:
         torch.set_num_threads(threads)

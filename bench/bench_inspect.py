@@ -74,8 +74,8 @@ def main() -> None:
         build(ws, args.batches, args.per_batch)
         print(f"built {args.batches} x {args.per_batch} episodes in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
-    from flows.views.inspection import diff_versions, inspect_run, read_views, run_batches
     from flows.views.inspect_render import write_diff_html, write_inspection_html
+    from flows.views.inspection import diff_versions, inspect_run, read_views, run_batches
 
     inspect_run(ws, RUN, "correct", top=1)  # warm: imports, the tokenizer
     results: dict[str, float] = {}

@@ -81,13 +81,13 @@ def bench_grpo(model_name: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from stages.common import StageContext
+    from stages.policy.logprobs import token_logprobs
+    from stages.policy.lora import add_lora
+    from stages.policy.model import resolve_model
     from stages.update.config import GRPOConfig
     from stages.update.data import Sample
     from stages.update.train import train_on_batch
-    from stages.policy.lora import add_lora
     from stages.update.workers import train
-    from stages.policy.logprobs import token_logprobs
-    from stages.policy.model import resolve_model
     from storage.workspace import Workspace
 
     torch.manual_seed(0)

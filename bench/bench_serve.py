@@ -86,10 +86,10 @@ def main() -> None:
 def ttft(policy, repeats: int) -> str:
     import openai
 
+    from stages.policy.sampling import SamplingConfig
     from stages.service.app import ServerThread, build_app
     from stages.service.resolve import fixed_resolver
     from stages.service.service import PolicyService, ServiceConfig
-    from stages.policy.sampling import SamplingConfig
     from tasks.base import render_system_prompt
     from tasks.doc_search import SYSTEM_PROMPT, TOOL_SPECS, make_task
 

@@ -210,9 +210,9 @@ def run_rlops(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     import torch
     import transformers  # noqa: F401
 
-    import stages.update.train
     import stages.policy.load
     import stages.policy.session
+    import stages.update.train
     from flows.pipeline import resident
 
     from rewards.base import RewardSpec

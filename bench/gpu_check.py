@@ -29,9 +29,9 @@ def logprob_agreement(ws, batch_id: str, temperature: float) -> tuple[float, flo
     import torch
 
     from stages.common import resolve_policy
+    from stages.policy.logprobs import token_logprobs
     from stages.update.config import GRPOConfig
     from stages.update.train import _load_trainable
-    from stages.policy.logprobs import token_logprobs
     from storage.checkpoints import local_copy
     from storage.schema import Rollout, from_table
 
@@ -59,8 +59,8 @@ def main() -> None:
     from flows import pipeline
     from flows.run_config import from_dict
     from stages.common import StageContext
-    from stages.policy.model import prepare_default_model
     from stages.policy import vllm as engine
+    from stages.policy.model import prepare_default_model
     from storage.workspace import Workspace
 
     assert torch.cuda.is_available(), "no CUDA device"

@@ -183,9 +183,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 @command("inspect")
 @_guard
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from flows.views.inspection import diff_versions, inspect_run
     from flows.views.inspect_render import (diff_page_path, inspect_page_path, print_diff, print_inspection,
-                                      write_diff_html, write_inspection_html)
+                                            write_diff_html, write_inspection_html)
+    from flows.views.inspection import diff_versions, inspect_run
     from storage.workspace import Workspace
 
     ws = Workspace.open(args.workspace)

@@ -20,8 +20,8 @@ from typing import Any, Callable
 from flows.run_config import RunConfig
 from stages import cluster, evaluate, grpo, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
-from stages.reward_ref import RewardRef
 from stages.policy.session import PolicySession
+from stages.reward_ref import RewardRef
 
 Call = Callable[..., ArtifactRef]
 # What the per-step summary shows of the GRPO stage's metrics (besides the step's reward mean).

@@ -17,13 +17,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.config import ConfigError, load_config, validate
-from stages.common import Operational
 from stages.cluster import RayConfig
+from stages.common import Operational
 from stages.evaluate import EvalConfig
-from stages.update.config import GRPOConfig
 from stages.rollout import RolloutConfig, TaskSpec
 from stages.score import ScoreConfig, versions
 from stages.sft import SFTConfig
+from stages.update.config import GRPOConfig
 
 
 class SFTSection(SFTConfig):

@@ -240,7 +240,7 @@ class _Walker:
             module = sys.modules.get(cls.__module__)
             fake_globals = vars(module) if module else {}
             Names(self, types.SimpleNamespace(__globals__=fake_globals), {}, label, skip_decorators=False,
-                   skip_functions=True).visit(tree.body[0])
+                  skip_functions=True).visit(tree.body[0])
         file = getattr(sys.modules.get(cls.__module__), "__file__", None)
         for name, member in vars(cls).items():
             for fn in _member_functions(member):

@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flows.views.inspection import inspect_run, read_views, run_batches, train_reward
 from flows.views.inspect_render import inspect_page_path, write_inspection_html
+from flows.views.inspection import inspect_run, read_views, run_batches, train_reward
 from flows.views.pages import esc, fmt, line_chart, write_page
 from storage.workspace import Workspace
 

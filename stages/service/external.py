@@ -21,12 +21,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from stages.policy.sampling import SamplingConfig
 from stages.policy.resident import ResidentPolicy
-from stages.service.recorder import EpisodeLog, assemble, fingerprint
-from stages.service.schemas import ChatMessage
+from stages.policy.sampling import SamplingConfig
 from stages.service.app import EPISODE_HEADER, ServerThread, build_app
+from stages.service.recorder import EpisodeLog, assemble, fingerprint
 from stages.service.resolve import fixed_resolver
+from stages.service.schemas import ChatMessage
 from stages.service.service import PolicyService, ServiceConfig
 from storage.schema import Message, Rollout, to_table
 from tasks.base import AgentSpec, Prompt

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.update.data import Sample
 from stages.policy.lora import LoRASettings, add_lora
 from stages.policy.model import resolve_model
 from stages.update.config import GRPOConfig
+from stages.update.data import Sample
 
 if TYPE_CHECKING:
     import torch

@@ -9,8 +9,8 @@ from typing import Any
 from flows import pipeline
 from flows.run_config import from_dict
 from stages.common import StageContext
-from stages.update.data import informative_groups
 from stages.reward_ref import RewardRef
+from stages.update.data import informative_groups
 from storage.workspace import Workspace
 from tests.flows.conftest import tiny_config
 

@@ -56,8 +56,8 @@ def _adapters(ws: Workspace, policies: list[str]) -> list[dict[str, Any]]:
 
 
 def test_resident_run_equals_stage_by_stage_from_files(tmp_path, tiny_model_dir, monkeypatch):
-    import stages.update.train
     import stages.policy.load
+    import stages.update.train
 
     loads = {"generation": 0, "update": 0}
     load_policy, load_trainable = stages.policy.load.load_policy, stages.update.train._load_trainable

@@ -18,12 +18,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.common import StageContext, base_policy
 from stages.grpo import run
+from stages.policy.logprobs import token_logprobs
+from stages.policy.lora import LoRASettings, add_lora
+from stages.reward_ref import RewardRef
 from stages.update.config import GRPOConfig
 from stages.update.data import Sample, training_data
 from stages.update.train import train_on_batch
-from stages.policy.lora import LoRASettings, add_lora
-from stages.reward_ref import RewardRef
-from stages.policy.logprobs import token_logprobs
 from storage.schema import RewardRow, Rollout, to_table
 from storage.workspace import Workspace
 
@@ -329,9 +329,9 @@ KILLED = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     import stages.grpo as grpo
-    from stages.update.config import GRPOConfig
     from stages.common import StageContext
     from stages.reward_ref import RewardRef
+    from stages.update.config import GRPOConfig
     from storage.workspace import Workspace
 
     ws_dir, parent, batch, config, phase, marker = sys.argv[1:]

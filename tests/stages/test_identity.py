@@ -11,13 +11,13 @@ import pytest
 
 from flows import pipeline
 from flows.run_config import EvalSection
-from stages.policy import model as model_module
 from stages import rollout
 from stages.common import StageContext, base_policy, identity
 from stages.evaluate import EvalConfig
-from stages.update.config import GRPOConfig
+from stages.policy import model as model_module
 from stages.reward_ref import RewardRef
 from stages.score import ScoreConfig
+from stages.update.config import GRPOConfig
 from storage.schema import RewardRow, to_table
 from storage.workspace import Workspace
 

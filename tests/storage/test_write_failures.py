@@ -115,8 +115,8 @@ def test_a_checkpoint_that_does_not_fit_leaves_nothing(tmp_path: Path) -> None:
         """
         from stages.common import StageContext
         from stages.grpo import run
-        from stages.update.config import GRPOConfig
         from stages.reward_ref import RewardRef
+        from stages.update.config import GRPOConfig
         from storage.workspace import Workspace
 
         ws = Workspace.open(sys.argv[1])

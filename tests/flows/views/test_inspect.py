@@ -37,8 +37,8 @@ def _expected_ends(values: dict[str, float | None], top: int) -> tuple[list[str]
 
 
 def test_html_shows_the_best_and_worst_episodes_per_version_in_order(run_ws: Workspace) -> None:
-    from flows.views.inspection import inspect_run
     from flows.views.inspect_render import write_inspection_html
+    from flows.views.inspection import inspect_run
 
     view = inspect_run(run_ws, RUN, "short", top=2)
     page = soup(write_inspection_html(view, run_ws.root / "t" / "short.html"))
@@ -62,8 +62,8 @@ def test_html_shows_the_best_and_worst_episodes_per_version_in_order(run_ws: Wor
 
 
 def test_every_reward_column_and_row_is_shown(run_ws: Workspace) -> None:
-    from flows.views.inspection import inspect_run
     from flows.views.inspect_render import write_inspection_html
+    from flows.views.inspection import inspect_run
 
     page = soup(write_inspection_html(inspect_run(run_ws, RUN, top=1), run_ws.root / "t" / "total.html"))
     refs = {f"{name}@{v}" for name in ("correct", "short", "total", "judged") for v in _scores(run_ws, RUN, name)}
@@ -89,8 +89,8 @@ def test_every_reward_column_and_row_is_shown(run_ws: Workspace) -> None:
 
 
 def test_model_text_is_escaped(run_ws: Workspace) -> None:
-    from flows.views.inspection import inspect_run
     from flows.views.inspect_render import write_inspection_html
+    from flows.views.inspection import inspect_run
 
     path = write_inspection_html(inspect_run(run_ws, "tools", "judged", top=3), run_ws.root / "t" / "tools.html")
     raw = path.read_text()

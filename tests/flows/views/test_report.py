@@ -122,8 +122,8 @@ def test_run_page_of_a_run_without_grpo_steps(tmp_path: Path, tiny_model_dir: Pa
 
 @needs_chromium
 def test_pages_run_in_chromium(run_ws: Workspace) -> None:
-    from flows.views.inspection import diff_versions, inspect_run
     from flows.views.inspect_render import write_diff_html, write_inspection_html
+    from flows.views.inspection import diff_versions, inspect_run
     from flows.views.runpage import write_run_page
 
     run_page = write_run_page(run_ws, RUN)

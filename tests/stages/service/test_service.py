@@ -85,8 +85,8 @@ def test_chat_with_tools_and_n(service):
 
 
 def test_episode_reuses_sampled_tokens_and_matches_template_and_fresh_logprobs(service, scripted_model_dir):
-    from stages.policy.logprobs import token_logprobs
     from stages.policy.load import load_policy
+    from stages.policy.logprobs import token_logprobs
 
     client = _client(service, "ep-tools")
     messages = _opening()
@@ -125,8 +125,8 @@ def test_episode_reuses_sampled_tokens_and_matches_template_and_fresh_logprobs(s
 
 
 def test_history_rewriting_agent_gives_segments_with_correct_masks(service, scripted_model_dir):
-    from stages.policy.logprobs import token_logprobs
     from stages.policy.load import load_policy
+    from stages.policy.logprobs import token_logprobs
 
     client = _client(service, "ep-rewrite")
     first = client.chat.completions.create(model="base", messages=_opening(), tools=TOOLS, max_tokens=40)

@@ -40,9 +40,9 @@ def test_segments_become_samples_with_their_episode_advantage():
 def test_a_two_segment_rollout_trains_like_its_segments_as_separate_rollouts(tiny_model_dir):
     """The loss over a segmented rollout is the loss over its segments as independent sequences (each
     from position 0, not one long sequence where the second segment would attend to the first)."""
-    from stages.update.train import _micro_batches
-    from stages.policy.logprobs import token_logprobs
     from stages.policy.load import load_policy
+    from stages.policy.logprobs import token_logprobs
+    from stages.update.train import _micro_batches
 
     model, _ = load_policy(str(tiny_model_dir))
     ids = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from stages.common import StageContext
+from stages.policy.lora import add_lora
 from stages.update.config import GRPOConfig
 from stages.update.data import Sample
 from stages.update.train import train_on_batch
 from stages.update.workers import scored_tokens, shard_weight, train
-from stages.policy.lora import add_lora
 from storage.workspace import Workspace
 
 if TYPE_CHECKING:
