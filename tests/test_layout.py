@@ -14,6 +14,7 @@ type-only import still ties two modules together for a reader and for the next r
 from __future__ import annotations
 
 import ast
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -145,15 +146,22 @@ def upward(graph: dict[str, dict[str, int]]) -> list[str]:
     return out
 
 
+def python_files() -> list[Path]:
+    """Every .py file of the repository that git does not ignore (tracked or not: a new file counts too)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: everything outside hidden folders
+        return [p for p in sorted(ROOT.rglob("*.py")) if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    return [ROOT / f for f in sorted(set(out)) if (ROOT / f).exists()]
+
+
 def long_files() -> list[str]:
     out = []
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT)
-        if rel.parts[0].startswith(".") or "egg-info" in rel.parts[0]:
-            continue  # the virtualenv, caches
+    for path in python_files():
         n = len(path.read_text().splitlines())
         if n > MAX_LINES:
-            out.append(f"{rel}: {n} lines")
+            out.append(f"{path.relative_to(ROOT)}: {n} lines")
     return out
 
 
