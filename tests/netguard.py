@@ -88,6 +88,10 @@ def loopback_host(host: Any) -> bool:
 
 def _refuse(what: str, target: Any) -> None:
     message = f"{what} {target!r}: the test suite may only reach 127.0.0.0/8 (tests/netguard.py)"
+    if os.environ.get("RLOPS_NETGUARD_TRACE"):
+        import traceback
+
+        message += "\n" + "".join(traceback.format_stack(limit=25))
     with _lock:
         _violations.append(message)
     raise NonLoopbackError(message)
