@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.cluster import connect, pinned, spread
 from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
@@ -51,6 +51,19 @@ class RolloutConfig(BaseModel):
     workers: int = Operational(1, ge=1)  # >1: Ray actors, one policy replica each
     groups_per_shard: int = Operational(4, ge=1)  # resume granularity; also the generation batch (x G episodes)
     seed: int = 0  # base seed; each episode's seed derives from it, the step and its position
+    # Where the policy service of an external agent task listens, and the URL its agents are told
+    # (docs/TASKS.md, "machines apart"). Loopback on a free port by default: nothing outside this
+    # machine can reach it. A fixed port serves one rollout worker per machine.
+    serve_host: str = Operational("127.0.0.1")
+    serve_port: int = Operational(0, ge=0, le=65535)  # 0: a free port
+    advertise_url: str | None = Operational(None)  # e.g. http://10.0.0.5:8400; None: http://serve_host:port
+
+    @model_validator(mode="after")
+    def _reachable(self) -> "RolloutConfig":
+        if self.serve_host in ("0.0.0.0", "::", "") and self.advertise_url is None:
+            raise ValueError(f"rollout.serve_host {self.serve_host!r} listens on every interface: set "
+                             "rollout.advertise_url to the address the agents reach this machine by")
+        return self
 
 
 def select_prompts(prompts: list[Prompt], n: int, step: int) -> list[Prompt]:
@@ -149,7 +162,8 @@ class RolloutWorker:
             return run_agent_shard(self.policy, self.task.agent, policy_id=self.policy_id, adapter_dir=self.adapter_dir,
                                    task_name=self.task.name, sampling=self.sampling, group_size=self.config.group_size,
                                    max_total_tokens=self.config.max_total_tokens, sampling_record=self.sampling_record(),
-                                   batch_id=batch_id, split=split, groups=groups, base_seed=base_seed)
+                                   batch_id=batch_id, split=split, groups=groups, base_seed=base_seed,
+                                   serve=(self.config.serve_host, self.config.serve_port, self.config.advertise_url))
         from stages.policy.agent_loop import EpisodeSpec, run_episodes
 
         G = self.config.group_size

@@ -45,11 +45,12 @@ class Prompt:
 class AgentSpec:
     """How the rollout stage runs an external agent (built by tasks/agent.py)."""
 
-    entry: str
-    fn: Callable[..., Any]  # async def rollout(client, model, prompt)
-    version: str  # hash of the entry's source file and the prompts file: part of the rollout batch id
+    entry: str  # "module:fn" or "file.py:fn"; "" for an agent service (`url`)
+    fn: Callable[..., Any] | None  # async def rollout(client, model, prompt); None for an agent service
+    version: str  # hash of the entry's source file (or the service's version) and the prompts file: in the rollout batch id
     max_error_frac: float
     episode_timeout: float  # seconds per episode
+    url: str | None = None  # an agent service (another process or language) that runs each episode on POST
 
 
 @dataclass

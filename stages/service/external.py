@@ -1,8 +1,10 @@
 """Rollouts of an external agent (tasks/agent.py) through the policy service.
 
-For one shard of groups: serve the policy on 127.0.0.1 (a free port) with the run's sampling
-forced, run every episode of the shard concurrently through the user's `rollout(client, model,
-prompt)` with a real `openai.AsyncOpenAI` client whose requests carry the episode id, then turn
+For one shard of groups: serve the policy (on 127.0.0.1 and a free port unless the rollout config's
+`serve_host`/`serve_port` say otherwise) with the run's sampling forced, run every episode of the
+shard concurrently through the user's `rollout(client, model, prompt)` with a real
+`openai.AsyncOpenAI` client whose requests carry the episode id, or by POSTing it to the agent
+service of a `url` task (tasks/agent.py, told the `advertise_url`), then turn
 each episode's recorded calls into one rollout row (stages/service/recorder.py: one segment when every
 prompt extended the last, several otherwise). Concurrent episodes share generate calls: the
 service batches whatever arrives together.
@@ -39,11 +41,12 @@ BATCH_WINDOW_S = 1.0
 def run_agent_shard(policy: ResidentPolicy, agent: AgentSpec, *, policy_id: str, adapter_dir: str | None,
                     task_name: str, sampling: SamplingConfig, group_size: int, max_total_tokens: int,
                     sampling_record: dict[str, Any], batch_id: str, split: str, groups: list[tuple[int, Prompt]],
-                    base_seed: int) -> pa.Table:
+                    base_seed: int, serve: tuple[str, int, str | None] = ("127.0.0.1", 0, None)) -> pa.Table:
     """One rollout row per episode of the shard's groups (G = `group_size` episodes per prompt), sampled from
     `policy_id` (its adapter folder; None for the base) on the resident `policy` with the run's `sampling`
     forced on every request and `max_total_tokens` per episode. `task_name` and `sampling_record` are what
-    the rows' `task` and `sampling` columns store."""
+    the rows' `task` and `sampling` columns store. `serve` is where the policy service listens (host,
+    port; 0 = a free one) and the URL an agent service is told (None: the listening address)."""
     G = group_size
     resolve, names = fixed_resolver(policy_id, adapter_dir)
     episodes = [(f"{batch_id}-g{gi:05d}-s{s:03d}", prompt) for gi, prompt in groups for s in range(G)]
@@ -55,10 +58,13 @@ def run_agent_shard(policy: ResidentPolicy, agent: AgentSpec, *, policy_id: str,
                                                            batch_window_s=BATCH_WINDOW_S),
                             names, in_flight=lambda: running.count)
     try:
-        with ServerThread(build_app(service)) as url:
+        host, port, advertise = serve
+        with ServerThread(build_app(service), host=host, port=port) as url:
+            # An in-process entry calls the local address; an agent service, the advertised one.
+            public = (advertise or url).rstrip("/") if agent.url else url
             # A thread of its own: asyncio.run refuses to nest in a caller's running event loop.
             with ThreadPoolExecutor(1) as pool:
-                outcomes = pool.submit(asyncio.run, _run_all(url, policy_id, agent, episodes, running)).result()
+                outcomes = pool.submit(asyncio.run, _run_all(public, policy_id, agent, episodes, running)).result()
     finally:
         service.close()
 
@@ -91,17 +97,61 @@ class _Running:
 
 async def _run_all(url: str, model: str, agent: AgentSpec, episodes: list[tuple[str, Prompt]],
                    running: _Running) -> list[tuple[Any, str | None, float]]:
-    async def counted(eid: str, p: Prompt) -> tuple[Any, str | None, float]:
+    async def counted(eid: str, p: Prompt, http: Any = None) -> tuple[Any, str | None, float]:
         try:
-            return await _one(url, model, agent, eid, p)
+            return await _one(url, model, agent, eid, p, http)
         finally:
             running.count -= 1  # on the event loop thread only; the batcher just reads it
 
-    return await asyncio.gather(*(counted(eid, p) for eid, p in episodes))
+    if agent.url is None:
+        return await asyncio.gather(*(counted(eid, p) for eid, p in episodes))
+    import httpx
+
+    # One connection per concurrent episode: the service may hold every one for a whole episode.
+    async with httpx.AsyncClient(timeout=agent.episode_timeout,
+                                 limits=httpx.Limits(max_connections=max(len(episodes), 1))) as http:
+        return await asyncio.gather(*(counted(eid, p, http) for eid, p in episodes))
 
 
-async def _one(url: str, model: str, agent: AgentSpec, episode_id: str, prompt: Prompt) -> tuple[Any, str | None, float]:
+def agent_base_url(public: str, episode_id: str) -> str:
+    """The policy service's OpenAI base URL as an agent service is told it. Episodes are told apart by
+    the X-Episode-Id header; with an episode route in the URL this is the one line to change."""
+    return f"{public}/v1"
+
+
+async def _post(url: str, model: str, agent: AgentSpec, episode_id: str, prompt: Prompt,
+                http: Any) -> tuple[Any, str | None, float]:
+    """(result, error text or None, seconds) of one episode run by an agent service: an HTTP error, a
+    timeout or a reply that is not a JSON object of {messages?, metadata?} is the error text."""
+    import httpx
+
+    body = {"prompt_id": prompt.prompt_id, "prompt": prompt.question, "base_url": agent_base_url(url, episode_id),
+            "model": model, "episode_id": episode_id}
+    start = time.monotonic()
+    try:
+        response = await asyncio.wait_for(http.post(agent.url, json=body), agent.episode_timeout)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        return None, f"TimeoutError: the agent service ran over {agent.episode_timeout:g} s", time.monotonic() - start
+    except httpx.HTTPError as e:
+        return None, f"the agent service failed: {type(e).__name__}: {e}"[:2000], time.monotonic() - start
+    seconds = time.monotonic() - start
+    if response.status_code != 200:
+        return None, f"the agent service answered HTTP {response.status_code}: {response.text[:1000]}", seconds
+    try:
+        reply = response.json()
+    except ValueError:
+        return None, f"malformed reply (not JSON): {response.text[:500]!r}", seconds
+    if not isinstance(reply, dict) or not isinstance(reply.get("messages") or [], list):
+        return None, f"malformed reply: expected an object with optional 'messages' (a list) and 'metadata', " \
+                     f"got {response.text[:500]!r}", seconds
+    return {k: reply[k] for k in ("messages", "metadata") if reply.get(k) is not None}, None, seconds
+
+
+async def _one(url: str, model: str, agent: AgentSpec, episode_id: str, prompt: Prompt,
+               http: Any = None) -> tuple[Any, str | None, float]:
     """(result, error text or None, seconds) of one episode; the agent's exceptions are data."""
+    if agent.url is not None:
+        return await _post(url, model, agent, episode_id, prompt, http)
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="rlops-local", max_retries=0,
