@@ -16,7 +16,7 @@ TESTS  ?=
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup model browser test demo bench clean
+.PHONY: setup model browser js test demo bench clean
 
 setup: $(STAMP)
 
@@ -37,7 +37,17 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
-test: model browser
+# The JavaScript agent example's npm packages (examples/doc_search_js, the lock file's exact versions),
+# installed before the tests run (npm's registry is needed here only); skipped without npm, and its
+# test is then skipped with the reason.
+JS := examples/doc_search_js
+js: $(JS)/node_modules/.package-lock.json
+
+$(JS)/node_modules/.package-lock.json: $(JS)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then cd $(JS) && npm ci --no-audit --no-fund; \
+		else echo "npm not found: $(JS) is not installed (its test will be skipped)"; fi
+
+test: model browser js
 	$(LOOPBACK) $(VENV)/bin/pytest $(TESTS)
 
 demo: model

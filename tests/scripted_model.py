@@ -39,18 +39,20 @@ def script_messages(call_id: str = "call_0") -> list[dict[str, Any]]:
     ]
 
 
-def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-2) -> Path:
-    """Train a copy of the tiny model at `model_dir` on the scripted conversation; save it to `out`."""
+def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-2,
+                   messages: list[dict[str, Any]] | None = None) -> Path:
+    """Train a copy of the tiny model at `model_dir` on the scripted conversation (or on `messages`, another
+    conversation in the same shape); save it to `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    messages = script_messages()
+    messages = messages or script_messages()
     # One sequence, the whole conversation; the loss is on the assistant turns (with their <|im_end|>).
     ids: list[int] = []
     labels: list[int] = []
-    for k in (2, 4):
+    for k in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
         prompt = tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
         p = tok(prompt, add_special_tokens=False)["input_ids"][len(ids):]
         a = tok(messages[k]["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
