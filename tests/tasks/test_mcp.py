@@ -143,3 +143,25 @@ def test_a_server_that_cannot_start_is_a_config_problem(tmp_path):
     assert problem.startswith("task: cannot load 'mcp': ValueError: cannot start or reach the MCP server")
     with pytest.raises(ValueError, match="either 'url'"):
         mcp.check_server({"url": "http://127.0.0.1:1/mcp", "command": ["x"]})
+
+
+def test_a_stdio_server_dies_with_the_process_that_started_it(tmp_path):
+    import psutil
+
+    prompts, log = tmp_path / "p.jsonl", tmp_path / "calls.log"
+    prompts.write_text(json.dumps({"id": "q", "prompt": "?"}) + "\n")
+    params = {"server": {"command": ["python", str(TEST_SERVER)], "env": {"RLOPS_TEST_MCP_LOG": str(log)}},
+              "prompts": str(prompts)}
+    script = ("import json, sys, time; from tasks.base import load_task; "
+              f"t = load_task('mcp', json.loads({json.dumps(json.dumps(params))})); t.tools['search'](query='q'); "
+              "print('ready', flush=True); time.sleep(600)")
+    owner = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=die_with_parent)
+    try:
+        assert owner.stdout.readline().strip() == b"ready"
+        server = psutil.Process(int(log.read_text().split()[0]))
+        owner.kill()  # no cleanup runs: the server must notice the closed pipe by itself
+        owner.wait()
+        server.wait(30)  # raises TimeoutExpired if the server outlives its owner
+    finally:
+        owner.kill()
