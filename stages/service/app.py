@@ -61,11 +61,15 @@ def build_app(service: PolicyService) -> Any:
         return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request) -> dict[str, Any]:
+    async def chat_completions(req: ChatRequest, request: Request) -> Any:
+        if req.stream:
+            return _events(service.chat_completion_stream(req, episode_of(request, req.user)))
         return await service.chat_completion(req, episode_of(request, req.user))
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> dict[str, Any]:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        if req.stream:
+            return _events(service.completion_stream(req, episode_of(request, req.user)))
         return await service.completion(req, episode_of(request, req.user))
 
     @app.get("/v1/models")
@@ -78,6 +82,15 @@ def build_app(service: PolicyService) -> Any:
         return service.episode(episode_id)
 
     return app
+
+
+def _events(events: Any) -> Any:
+    """A Server-Sent Events response; `events` was built after the request was validated, so a refused
+    request never gets here (it is an ordinary HTTP error)."""
+    from fastapi.responses import StreamingResponse
+
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class ServerThread:

@@ -1,9 +1,9 @@
 """The OpenAI request and response shapes of the policy service, and their conversions.
 
 Requests are validated with pydantic: a malformed one (a missing field, a wrong type, an unknown
-role, `stream: true`, ...) is a 400 with an OpenAI-style error body, built in stages/service/app.py.
+role, ...) is a 400 with an OpenAI-style error body, built in stages/service/app.py.
 Only the fields rlops implements are read; other OpenAI fields (`tool_choice`,
-`parallel_tool_calls`, `stream_options`, ...) are accepted and ignored, as vLLM does.
+`parallel_tool_calls`, ...) are accepted and ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ class ChatMessage(_Lenient):
         return Message(role, content, calls, self.tool_call_id, self.name)
 
 
+class StreamOptions(_Lenient):
+    include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
 class _Sampling(_Lenient):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -61,7 +65,8 @@ class _Sampling(_Lenient):
     n: int = Field(1, ge=1, le=64)
     seed: int | None = None
     user: str | None = None  # the episode id when no X-Episode-Id header is sent
-    stream: Literal[False] = False  # streaming is not implemented: `stream: true` is a 400
+    stream: bool = False  # Server-Sent Events (stages/service/stream.py)
+    stream_options: StreamOptions | None = None
 
     @field_validator("stop")
     @classmethod
