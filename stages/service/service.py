@@ -37,9 +37,9 @@ from stages.policy.resident import ResidentPolicy
 from stages.policy.sampling import Sample, SamplingConfig, decode_turn
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.service.resolve import Resolver
-from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, error_body, logprobs_content,
-                                    visible_text, without_tool_calls)
-from stages.service.stream import DONE, ChoiceText, TokenFeed, sse
+from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, visible_text,
+                                    without_tool_calls)
+from stages.service.stream import ChoiceText, TokenFeed, chat_sse, completion_sse
 from storage.schema import Message, ToolCall
 from tasks.base import parse_tool_calls
 
@@ -235,49 +235,39 @@ class PolicyService:
                 "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples),
                 "usage": _usage(len(prompt), samples)}
 
-    def chat_completion_stream(self, req: ChatRequest, episode_id: str | None) -> AsyncIterator[str]:
-        """The Server-Sent Events of a streamed chat completion (stages/service/stream.py). A request
-        refused before generation raises here, so it is an ordinary HTTP error."""
+    def chat_deltas(self, req: ChatRequest, episode_id: str | None) -> tuple[str, AsyncIterator[tuple]]:
+        """Start a chat request's generation and return (response id, its events): ("text", choice,
+        settled content), then ("end", choices as a plain response has them, the content each choice
+        still has to send, usage) or ("error", message). A request refused before generation raises
+        here, so it is an ordinary HTTP error; the recording is the plain call's (`_chat_choices`)."""
         log, prompt, seen, sampling = self._chat_setup(req, episode_id)
         feed = TokenFeed()
         job = self.submit(req.model, [prompt] * req.n, sampling, req.seed, on_step=feed.on_step)
         feed.watch(job.future)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                        "choices": choices} | extra)
-
-        def delta(i: int, d: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
-            return chunk([{"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}])
-
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[tuple]:
             texts = [ChoiceText(sampling.max_new_tokens, self.policy.eos_ids) for _ in range(req.n)]
-            for i in range(req.n):
-                yield delta(i, {"role": "assistant", "content": "", "refusal": None})
             async for step in feed.steps():
                 for i, token in step:
                     if texts[i].add(token) and (text := texts[i].delta(self.policy.tokenizer, sampling.stop, bool(req.tools))):
-                        yield delta(i, {"content": text})
+                        yield ("text", i, text)
             try:
                 samples = job.future.result()
             except Exception as e:  # noqa: BLE001 - the stream has started: the error ends it as an event
-                yield sse(error_body(f"{type(e).__name__}: {e}", "server_error"))
+                yield ("error", f"{type(e).__name__}: {e}")
                 return
-            for c in self._chat_choices(req, rid, log, prompt, seen, sampling, samples):
-                i, message = c["index"], c["message"]
-                if rest := texts[i].rest(message["content"]):
-                    yield delta(i, {"content": rest})
-                for k, call in enumerate(message.get("tool_calls", [])):
-                    yield delta(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
-                    yield delta(i, {"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
-                yield delta(i, {}, c["finish_reason"], c["logprobs"])
-            if req.stream_options and req.stream_options.include_usage:
-                yield chunk([], usage=_usage(len(prompt), samples))
-            yield DONE
+            choices = self._chat_choices(req, rid, log, prompt, seen, sampling, samples)
+            yield ("end", choices, [texts[c["index"]].rest(c["message"]["content"]) for c in choices],
+                   _usage(len(prompt), samples))
 
-        return events()
+        return rid, events()
+
+    def chat_completion_stream(self, req: ChatRequest, episode_id: str | None) -> AsyncIterator[str]:
+        """The Server-Sent Events of a streamed chat completion (stages/service/stream.py)."""
+        rid, events = self.chat_deltas(req, episode_id)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return chat_sse(rid, req.model, req.n, include_usage, events)
 
     def _completion_setup(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingConfig]:
         prompts = [self.policy.tokenizer(p, add_special_tokens=False)["input_ids"] for p in req.prompts()]
@@ -313,39 +303,29 @@ class PolicyService:
 
     def completion_stream(self, req: CompletionRequest, episode_id: str | None) -> AsyncIterator[str]:
         """The Server-Sent Events of a streamed completion: text deltas per choice index, then each
-        choice's finish chunk (its log-probs, if asked, whole on it), the usage chunk, `[DONE]`."""
+        choice's finish chunk, the usage chunk if asked, `[DONE]` (stages/service/stream.py)."""
         prompts, sampling = self._completion_setup(req)
         feed = TokenFeed()
         job = self.submit(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed, on_step=feed.on_step)
         feed.watch(job.future)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return sse({"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                        "choices": choices} | extra)
-
-        def text(i: int, t: str, finish: str | None = None, logprobs: Any = None) -> str:
-            return chunk([{"index": i, "text": t, "logprobs": logprobs, "finish_reason": finish}])
-
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[tuple]:
             texts = [ChoiceText(sampling.max_new_tokens, self.policy.eos_ids) for _ in job.prompts]
             async for step in feed.steps():
                 for i, token in step:
                     if texts[i].add(token) and (t := texts[i].delta(self.policy.tokenizer, sampling.stop, False)):
-                        yield text(i, t)
+                        yield ("text", i, t)
             try:
                 samples = job.future.result()
             except Exception as e:  # noqa: BLE001 - the stream has started: the error ends it as an event
-                yield sse(error_body(f"{type(e).__name__}: {e}", "server_error"))
+                yield ("error", f"{type(e).__name__}: {e}")
                 return
-            for c in self._completion_choices(req, episode_id, prompts, sampling, samples):
-                i = c["index"]
-                yield text(i, texts[i].rest(c["text"]), c["finish_reason"], c["logprobs"])
-            if req.stream_options and req.stream_options.include_usage:
-                yield chunk([], usage=_usage(sum(map(len, prompts)), samples))
-            yield DONE
+            choices = self._completion_choices(req, episode_id, prompts, sampling, samples)
+            yield ("end", choices, [texts[c["index"]].rest(c["text"]) for c in choices],
+                   _usage(sum(map(len, prompts)), samples))
 
-        return events()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return completion_sse(f"cmpl-{uuid.uuid4().hex}", req.model, include_usage, events())
 
     def episode(self, episode_id: str) -> dict[str, Any]:
         log = self.recorder.peek(episode_id)

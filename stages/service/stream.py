@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from stages.policy.sampling import decode_turn
-from stages.service.schemas import visible_text
+from stages.service.schemas import error_body, visible_text
 from tasks.base import OPEN_TAG
 
 DONE = "data: [DONE]\n\n"
@@ -109,3 +110,74 @@ class TokenFeed:
         """The decoding steps, until the generation has ended."""
         while (step := await self._steps.get()) is not None:
             yield step
+
+
+def chat_sse(rid: str, model: str, n: int, include_usage: bool, events: AsyncIterator[tuple]) -> AsyncIterator[str]:
+    """A chat completion's events (PolicyService.chat_deltas) in OpenAI's chunk format: the role delta
+    per choice, content deltas, then per choice the rest of its content, its tool calls (`index` on
+    each fragment; `id`, `type` and `name` in the first only), its finish chunk (`delta: {}`, the
+    log-probs whole when asked); the usage chunk (`choices: []`) when asked; `[DONE]`."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices} | extra)
+
+    def delta(i: int, d: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        return chunk([{"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}])
+
+    async def stream() -> AsyncIterator[str]:
+        for i in range(n):
+            yield delta(i, {"role": "assistant", "content": "", "refusal": None})
+        async for event in events:
+            if event[0] == "text":
+                yield delta(event[1], {"content": event[2]})
+            elif event[0] == "error":
+                yield sse(error_body(event[1], "server_error"))
+                return
+            else:
+                _, choices, rests, usage = event
+                for c, rest in zip(choices, rests):
+                    i, message = c["index"], c["message"]
+                    if rest:
+                        yield delta(i, {"content": rest})
+                    for k, call in enumerate(message.get("tool_calls", [])):
+                        yield delta(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                        "function": {"name": call["function"]["name"], "arguments": ""}}]})
+                        yield delta(i, {"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
+                    yield delta(i, {}, c["finish_reason"], c["logprobs"])
+                if include_usage:
+                    yield chunk([], usage=usage)
+                yield DONE
+
+    return stream()
+
+
+def completion_sse(rid: str, model: str, include_usage: bool, events: AsyncIterator[tuple]) -> AsyncIterator[str]:
+    """A completion's events in OpenAI's `text_completion` chunk format: text deltas per choice, each
+    choice's last chunk (the rest of its text, `finish_reason`, its log-probs when asked), the usage
+    chunk (`choices: []`) when asked, `[DONE]`."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices} | extra)
+
+    def text(i: int, t: str, finish: str | None = None, logprobs: Any = None) -> str:
+        return chunk([{"index": i, "text": t, "logprobs": logprobs, "finish_reason": finish}])
+
+    async def stream() -> AsyncIterator[str]:
+        async for event in events:
+            if event[0] == "text":
+                yield text(event[1], event[2])
+            elif event[0] == "error":
+                yield sse(error_body(event[1], "server_error"))
+                return
+            else:
+                _, choices, rests, usage = event
+                for c, rest in zip(choices, rests):
+                    yield text(c["index"], rest, c["finish_reason"], c["logprobs"])
+                if include_usage:
+                    yield chunk([], usage=usage)
+                yield DONE
+
+    return stream()

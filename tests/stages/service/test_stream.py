@@ -9,39 +9,32 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from stages.policy.resident import ResidentPolicy
 from stages.service.app import ServerThread, build_app
 from stages.service.resolve import fixed_resolver
 from stages.service.service import PolicyService, ServiceConfig
 from stages.service.stream import TokenFeed, settled
-from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS, scripted_model_dir, script_messages  # noqa: F401
+from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS, script_messages
+from tests.stages.service.conftest import client_of
 
 pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
 
 
 @pytest.fixture(scope="module")
-def policy(scripted_model_dir: Path) -> ResidentPolicy:
-    return ResidentPolicy.load(str(scripted_model_dir))
+def policy(scripted_policy):
+    return scripted_policy
 
 
 @pytest.fixture(scope="module")
-def service(policy):
-    svc = PolicyService(policy, fixed_resolver("base", None)[0], ServiceConfig(batch_window_s=0.05, default_max_tokens=40))
-    with ServerThread(build_app(svc)) as url:
-        svc.url = url
-        yield svc
-    svc.close()
+def service(served):
+    return served
 
 
-def _client(service, episode: str | None = None) -> openai.OpenAI:
-    headers = {"X-Episode-Id": episode} if episode else {}
-    return openai.OpenAI(base_url=service.url + "/v1", api_key="unused", default_headers=headers, max_retries=0)
+_client = client_of
 
 
 def _opening() -> list[dict]:
