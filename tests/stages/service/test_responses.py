@@ -127,3 +127,20 @@ def test_the_agents_sdk_default_responses_model_runs_a_tool_using_episode(served
     assert episode["segment_starts"] == [] and episode["num_turns"] == 2
     assert sum(episode["loss_mask"]) == sum(r.usage.output_tokens for r in result.raw_responses)
     assert os.environ["OPENAI_AGENTS_DISABLE_TRACING"] == "1"
+
+
+def test_a_failure_during_a_streamed_response_ends_it_with_error_events(scripted_policy):
+    from stages.service.app import ServerThread, build_app
+    from stages.service.resolve import fixed_resolver
+    from stages.service.service import PolicyService, ServiceConfig
+
+    resolve, names = fixed_resolver("broken", "/nonexistent/adapter")  # fails inside generation
+    broken = PolicyService(scripted_policy, resolve, ServiceConfig(batch_window_s=0.0), names)
+    with ServerThread(build_app(broken)) as url:
+        with httpx.stream("POST", f"{url}/v1/responses", json={"model": "broken", "input": "hi", "stream": True},
+                          timeout=120) as r:
+            kinds = [json.loads(line[6:])["type"] for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"]
+        r = httpx.post(f"{url}/v1/responses", json={"model": "nope", "input": "hi", "stream": True}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # refused before streaming
+    broken.close()
