@@ -13,7 +13,7 @@ torch and transformers are imported inside the functions that need them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,25 @@ class _InverseCDFSampler:
         return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
 
 
+class _StepStreamer:
+    """transformers' streamer protocol, handing each decoding step's sampled tokens (one per row) to a
+    callback: the policy service streams them to its clients while the batch is still generating.
+    generate's first `put` is the prompt, skipped."""
+
+    def __init__(self, on_step: Callable[[list[int]], None]) -> None:
+        self.on_step = on_step
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.on_step(value.reshape(-1).tolist())  # (B,): rows that already finished get the pad id
+
+    def end(self) -> None:
+        pass
+
+
 class HFBackend:
     """Batched sampling with `transformers`' `generate` (left padding, seeded, CPU or GPU)."""
 
@@ -101,9 +120,12 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 
     def generate(
-        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None,
+        on_step: Callable[[list[int]], None] | None = None,
     ) -> list[Sample]:
-        """Sample one turn per prompt in one left-padded batch; deterministic for a given seed."""
+        """Sample one turn per prompt in one left-padded batch; deterministic for a given seed.
+        `on_step`, if given, receives each decoding step's sampled tokens (one per row, as they are
+        produced; a finished row gets the pad id), without changing what is sampled."""
         import torch
         from transformers import LogitsProcessorList
 
@@ -149,6 +171,8 @@ class HFBackend:
             cache = growing(cache if cache is not None else self._empty_cache())
             if cache is not None:
                 kwargs[cache_kwarg()] = cache
+            if on_step is not None:
+                kwargs["streamer"] = _StepStreamer(on_step)
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                       return_dict_in_generate=keep, **kwargs)
             sequences = out.sequences if keep else out  # (B, P + n)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from contextlib import nullcontext
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from stages.policy.sampling import Sample, SamplingConfig
 
@@ -62,14 +62,18 @@ class ResidentPolicy:
         return int(self.backend.model.config.max_position_embeddings)
 
     def generate(self, policy_id: str, adapter_dir: str | None, prompt_token_ids: list[list[int]],
-                 sampling: SamplingConfig, seed: int | None = None) -> list[Sample]:
-        """Sample one continuation per prompt from `policy_id` (its adapter folder, None for the base)."""
+                 sampling: SamplingConfig, seed: int | None = None,
+                 on_step: Callable[[list[int]], None] | None = None) -> list[Sample]:
+        """Sample one continuation per prompt from `policy_id` (its adapter folder, None for the base).
+        `on_step` receives each decoding step's tokens (one per row) as the HF backend samples them;
+        vLLM's offline engine returns whole turns, so there it is not called (a streamed request then
+        gets its tokens at the end of the turn)."""
         with self._lock:
             if self.engine == "vllm":
                 self.backend.use_adapter(policy_id, adapter_dir)
                 return self.backend.generate(prompt_token_ids, sampling, seed)
             with self._activate(adapter_dir):
-                return self.backend.generate(prompt_token_ids, sampling, seed)
+                return self.backend.generate(prompt_token_ids, sampling, seed, on_step=on_step)
 
     def _activate(self, adapter_dir: str | None) -> Any:
         """Make `adapter_dir` the active peft adapter (loading it on first use); returns the context

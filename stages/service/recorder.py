@@ -23,10 +23,11 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from stages.policy.chat import ChatFormat, difference
 from storage.schema import Message, ToolCall
+from tasks.base import OPEN_TAG
 
 
 @dataclass
@@ -50,8 +51,41 @@ class Call:
 
 
 def fingerprint(content: str | None, tool_calls: list[ToolCall]) -> str:
-    """What identifies an assistant message the service returned, as the client sends it back."""
-    return json.dumps([content or "", [[c.id, c.name, c.arguments] for c in tool_calls]])
+    """What an assistant message the service returned *means*, so that it is recognised however a
+    client sends it back: tool calls by id, name and parsed arguments (pydantic-ai re-serialises
+    them compactly, LangChain with `ensure_ascii=False`; pydantic-ai wraps malformed ones as
+    `{"INVALID_JSON": raw}`), `content` None, "" and omitted alike (text parts arrive joined, extra
+    keys such as `annotations` or `index` are dropped by the request schema). A changed text or
+    call is a different meaning: the turn really changed."""
+    calls = [[c.id, c.name, _arguments_meaning(c.arguments)] for c in tool_calls]
+    return json.dumps([content or "", calls], sort_keys=True)
+
+
+def _arguments_meaning(arguments: str) -> list:
+    try:
+        value = json.loads(arguments)
+    except (json.JSONDecodeError, TypeError):
+        return ["raw", arguments]
+    if isinstance(value, dict) and list(value) == ["INVALID_JSON"] and isinstance(value["INVALID_JSON"], str):
+        return _arguments_meaning(value["INVALID_JSON"])  # pydantic-ai's wrapping of arguments it cannot parse
+    return ["json", value]
+
+
+def as_written(message: Message) -> Message:
+    """An assistant message the service does not recognise (edited, or not its own), as the model
+    would have written it: its text followed by its tool calls in the `<tool_call>{json}</tool_call>`
+    format of tasks/base.py, so a new segment keeps the calls instead of rendering the text alone."""
+    if not message.tool_calls:
+        return message
+    blocks = []
+    for c in message.tool_calls:
+        meaning = _arguments_meaning(c.arguments)
+        if meaning[0] == "json":
+            blocks.append(f"{OPEN_TAG}{json.dumps({'name': c.name, 'arguments': meaning[1]})}</tool_call>")
+        else:  # malformed arguments stay as the text they are
+            blocks.append(f'{OPEN_TAG}{{"name": {json.dumps(c.name)}, "arguments": {meaning[1]}}}</tool_call>')
+    text = "\n".join(([message.content] if message.content else []) + blocks)
+    return replace(message, content=text)
 
 
 @dataclass
@@ -109,6 +143,8 @@ def chat_prompt(chat: ChatFormat, messages: list[Message], log: EpisodeLog | Non
             log.calls[call].chosen = choice
             reused[k] = log.calls[call].choices[choice]
             seen[k] = reused[k].message
+        elif m.role == "assistant":
+            seen[k] = as_written(m)
     try:
         return _with_recorded(chat, seen, reused, eos_ids), seen
     except ValueError:

@@ -1,21 +1,79 @@
 """The OpenAI request and response shapes of the policy service, and their conversions.
 
 Requests are validated with pydantic: a malformed one (a missing field, a wrong type, an unknown
-role, `stream: true`, ...) is a 400 with an OpenAI-style error body, built in stages/service/app.py.
-Only the fields rlops implements are read; other OpenAI fields (`tool_choice`,
-`parallel_tool_calls`, `stream_options`, ...) are accepted and ignored, as vLLM does.
+role, ...) is a 400 with an OpenAI-style error body, built in stages/service/app.py.
+
+The field rule, for a request's top-level fields: a field is honoured (declared on the request
+model below), or accepted and ignored because it does not change what is sampled or returned
+(`IGNORED`, some only at their harmless values), or refused with a 400 that names it, never a
+silent no-op: the fields listed in `REFUSED` with the reason, and any other unknown field. A field
+sent as `null` means "not set" and is always accepted. Nested objects (messages, tool calls) keep
+ignoring extra keys (`annotations`, `refusal`, `index`): clients echo them back.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.policy.sampling import Sample
 from storage.schema import Message, ToolCall
 from tasks.base import OPEN_TAG, TOOL_CALL_RE, render_system_prompt
+
+
+def _always(_: Any) -> bool:
+    return True
+
+
+# Accepted and ignored: bookkeeping, caching and routing hints, and settings at the values that are
+# what rlops does anyway. Each maps to the test of a harmless value; any other value is refused.
+IGNORED: dict[str, Callable[[Any], bool]] = {
+    "store": _always, "metadata": _always, "service_tier": _always, "prompt_cache_key": _always,
+    "prompt_cache_retention": _always, "safety_identifier": _always, "user": _always,
+    "parallel_tool_calls": lambda v: v is True,  # the model may write several calls in a turn
+    "include": lambda v: v == [],  # extra output (e.g. logprobs in Responses) is not produced
+    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
+    "logit_bias": lambda v: not v, "modalities": lambda v: v == ["text"],
+    "echo": lambda v: v is False, "best_of": lambda v: v == 1,
+    "truncation": lambda v: v == "disabled",  # a prompt over the context is a 400, never truncated
+    "text": lambda v: isinstance(v, dict) and v.get("format", {"type": "text"}) == {"type": "text"},
+    # Constrained decoding (tool_choice "required"/named, response_format) is another change to this
+    # module; until it lands these are accepted as they always were.
+    "tool_choice": _always, "response_format": _always,
+}
+# Refused with the reason: they would change what is sampled or returned and are not implemented.
+REFUSED: dict[str, str] = {
+    "logit_bias": "biasing logits would make the recorded log-probs differ from the policy's",
+    "presence_penalty": "penalties would make the recorded log-probs differ from the policy's",
+    "frequency_penalty": "penalties would make the recorded log-probs differ from the policy's",
+    "repetition_penalty": "penalties would make the recorded log-probs differ from the policy's",
+    "top_k": "only top_p truncation is implemented", "min_p": "only top_p truncation is implemented",
+    "audio": "only text is generated", "modalities": "only text is generated",
+    "prediction": "predicted outputs are not implemented",
+    "functions": "the legacy `functions` field is not implemented: use `tools`",
+    "function_call": "the legacy `function_call` field is not implemented: use `tools`",
+    "reasoning": "reasoning settings are not implemented", "reasoning_effort": "reasoning settings are not implemented",
+    "parallel_tool_calls": "only parallel_tool_calls: true (the default) is implemented",
+    "include": "no extra output is implemented: include must be []",
+    "n": "the Responses API has no n: send n requests", "echo": "echo is not implemented",
+    "best_of": "best_of is not implemented", "suffix": "suffix is not implemented",
+    "web_search_options": "no built-in tools", "background": "background responses are not implemented",
+    "truncation": "a prompt over the context is refused, never truncated: truncation must be \"disabled\"",
+    "text": "only plain text output is implemented",
+    "max_tool_calls": "max_tool_calls is not implemented",
+    "conversation": "stored conversations: use previous_response_id",
+}
+
+
+class UnsupportedField(ValueError):
+    """A request field the service refuses (the field rule above)."""
+
+    def __init__(self, field: str) -> None:
+        reason = REFUSED.get(field, "unknown field: the policy service refuses what it does not implement")
+        super().__init__(f"{field}: {reason}")
+        self.field = field
 
 
 class _Lenient(BaseModel):
@@ -52,7 +110,27 @@ class ChatMessage(_Lenient):
         return Message(role, content, calls, self.tool_call_id, self.name)
 
 
-class _Sampling(_Lenient):
+class StreamOptions(_Lenient):
+    include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
+class _Request(_Lenient):
+    """A request body, with the field rule applied to its top-level fields."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _field_rule(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if name in cls.model_fields or value is None:
+                    continue
+                harmless = IGNORED.get(name)
+                if harmless is None or not harmless(value):
+                    raise UnsupportedField(name)
+        return data
+
+
+class _Sampling(_Request):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -61,7 +139,8 @@ class _Sampling(_Lenient):
     n: int = Field(1, ge=1, le=64)
     seed: int | None = None
     user: str | None = None  # the episode id when no X-Episode-Id header is sent
-    stream: Literal[False] = False  # streaming is not implemented: `stream: true` is a 400
+    stream: bool = False  # Server-Sent Events (stages/service/stream.py)
+    stream_options: StreamOptions | None = None
 
     @field_validator("stop")
     @classmethod
@@ -144,3 +223,82 @@ def error_body(message: str, kind: str = "invalid_request_error", code: str | No
 def call_id(response_id: str, index: int, call: int) -> str:
     """A tool-call id unique across the service: the clients send it back with the tool's result."""
     return f"call_{_ID_RE.sub('', response_id)[-12:]}_{index}_{call}"
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses. `input` items: `message` (text content parts `input_text`/`output_text`),
+    `function_call`, `function_call_output`; `tools` in the Responses shape
+    ({type: function, name, description, parameters, strict})."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None  # the system message
+    tools: list[dict[str, Any]] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    previous_response_id: str | None = None  # prepend a conversation the server stored
+    store: bool | None = None  # false: not kept for previous_response_id
+    metadata: dict[str, Any] | None = None  # echoed back
+    user: str | None = None  # the episode id when no X-Episode-Id header is sent
+    top_logprobs: Literal[0] | None = None  # only the sampled token's log-prob is recorded
+
+    @field_validator("tools")
+    @classmethod
+    def _functions(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for spec in v or []:
+            if spec.get("type") != "function" or not spec.get("name"):
+                raise ValueError("each tool must be {'type': 'function', 'name': ..., 'parameters': ...}: "
+                                 "built-in tools are not implemented")
+        return v
+
+    @field_validator("input")
+    @classmethod
+    def _items(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        for k, item in enumerate([] if isinstance(v, str) else v):
+            kind = item.get("type", "message" if "role" in item else None)
+            need = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+                    "function_call_output": ("call_id", "output")}.get(kind)
+            if need is None:
+                raise ValueError(f"item {k}: type {kind!r} is not implemented "
+                                 "(message, function_call, function_call_output are)")
+            if missing := [f for f in need if f not in item]:
+                raise ValueError(f"item {k} ({kind}) lacks {', '.join(missing)}")
+            if kind == "message" and not isinstance(item["content"], str):
+                for part in item["content"]:
+                    if part.get("type") not in ("input_text", "output_text", "text"):
+                        raise ValueError(f"item {k}: content part {part.get('type')!r} is not implemented (text only)")
+        return v
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The tools in the chat shape."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+                for t in self.tools]
+
+    def messages(self) -> list[Message]:
+        """`input` as chat messages (instructions not included): an assistant message followed by
+        function_call items is one assistant turn with those tool calls, as the service returned it."""
+        if isinstance(self.input, str):
+            return [Message("user", self.input)]
+        out: list[Message] = []
+        for item in self.input:
+            kind = item.get("type", "message")
+            if kind == "message":
+                content = item["content"]
+                text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+                role = "system" if item["role"] == "developer" else item["role"]
+                out.append(Message(role, text))
+            elif kind == "function_call":
+                call = ToolCall(item["call_id"], item["name"], item["arguments"])
+                if out and out[-1].role == "assistant" and out[-1].tool_call_id is None:
+                    out[-1].tool_calls.append(call)
+                else:
+                    out.append(Message("assistant", None, [call]))
+            else:
+                output = item["output"]
+                text = output if isinstance(output, str) else "".join(p.get("text", "") for p in output)
+                out.append(Message("tool", text, tool_call_id=item["call_id"]))
+        return out

@@ -30,7 +30,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from stages.policy.chat import ChatFormat
 from stages.policy.resident import ResidentPolicy
@@ -39,6 +39,7 @@ from stages.service.recorder import Call, Completion, Recorder, assemble, chat_p
 from stages.service.resolve import Resolver
 from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, visible_text,
                                     without_tool_calls)
+from stages.service.stream import ChoiceText, TokenFeed, chat_sse, completion_sse
 from storage.schema import Message, ToolCall
 from tasks.base import parse_tool_calls
 
@@ -75,6 +76,8 @@ class _Job:
     sampling: SamplingConfig
     seed: int | None
     future: Future = field(default_factory=Future)
+    # A streamed request's feed: gets (prompt index, token) pairs of each decoding step.
+    on_step: Callable[[list[tuple[int, int]]], None] | None = None
 
 
 class PolicyService:
@@ -123,13 +126,20 @@ class PolicyService:
     async def generate(self, model: str, prompts: list[list[int]], sampling: SamplingConfig,
                        seed: int | None) -> tuple[str, list[Sample]]:
         """Queue prompts for the batcher; returns (policy id, one sample per prompt)."""
+        job = self.submit(model, prompts, sampling, seed)
+        return job.policy_id, await asyncio.wrap_future(job.future)
+
+    def submit(self, model: str, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None,
+               on_step: Callable[[list[tuple[int, int]]], None] | None = None) -> _Job:
+        """Queue prompts for the batcher (an unknown model is refused here, before any streaming starts);
+        the job's future gets one sample per prompt."""
         try:
             policy_id, adapter_dir = self.resolve(model)
         except KeyError as e:
             raise ServiceError(404, e.args[0] if e.args else f"unknown model {model!r}", "model_not_found") from None
-        job = _Job(policy_id, adapter_dir, prompts, sampling, seed)
+        job = _Job(policy_id, adapter_dir, prompts, sampling, seed, on_step=on_step)
         self._queue.put(job)
-        return policy_id, await asyncio.wrap_future(job.future)
+        return job
 
     def _batch_loop(self) -> None:
         while True:
@@ -159,17 +169,17 @@ class PolicyService:
 
     def _run(self, jobs: list[_Job]) -> None:
         """Generate a group in calls of at most max_batch prompts; every job gets its samples or the error."""
-        prompts = [(j, p) for j in jobs for p in j.prompts]
+        prompts = [(j, k, p) for j in jobs for k, p in enumerate(j.prompts)]
         out: dict[int, list[Sample]] = {id(j): [] for j in jobs}
         try:
             for start in range(0, len(prompts), self.config.max_batch):
                 chunk = prompts[start : start + self.config.max_batch]
                 seed = jobs[0].seed if jobs[0].seed is not None else self._seeds.randrange(2**31)
-                sampling = replace(jobs[0].sampling, max_new_tokens=max(j.sampling.max_new_tokens for j, _ in chunk))
-                samples = self.policy.generate(jobs[0].policy_id, jobs[0].adapter_dir, [p for _, p in chunk],
-                                               sampling, seed)
+                sampling = replace(jobs[0].sampling, max_new_tokens=max(j.sampling.max_new_tokens for j, _, _ in chunk))
+                samples = self.policy.generate(jobs[0].policy_id, jobs[0].adapter_dir, [p for _, _, p in chunk],
+                                               sampling, seed, on_step=_fan_out(chunk))
                 self.generate_calls += 1
-                for (job, _), sample in zip(chunk, samples):
+                for (job, _, _), sample in zip(chunk, samples):
                     out[id(job)].append(self._cut(sample, job.sampling.max_new_tokens))
         except Exception as e:  # noqa: BLE001 - reported to each waiting request as a 500, the loop goes on
             for job in jobs:
@@ -188,13 +198,17 @@ class PolicyService:
 
     # -- endpoints -------------------------------------------------------------------------
 
-    async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
+    def _chat_setup(self, req: ChatRequest, episode_id: str | None) -> tuple[Any, list[int], list[Message], SamplingConfig]:
+        """The episode log, prompt ids, conversation as the model sees it, and sampling of a chat request."""
         log = self.recorder.get(episode_id) if episode_id else None
         prompt, seen = chat_prompt(self.chat, req.conversation(), log, self.policy.eos_ids)
         sampling = self.sampling(req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens,
                                  req.stop, len(prompt))
-        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return log, prompt, seen, sampling
+
+    def _chat_choices(self, req: ChatRequest, rid: str, log: Any, prompt: list[int], seen: list[Message],
+                      sampling: SamplingConfig, samples: list[Sample]) -> list[dict[str, Any]]:
+        """The response's choices; records the call (streamed or not, the same record)."""
         choices, recorded, returned = [], [], []
         for i, s in enumerate(samples):
             # Tool calls only when the request offers tools: otherwise the text is the answer, as it was
@@ -211,16 +225,59 @@ class PolicyService:
                             "logprobs": {"content": logprobs_content(self.policy.tokenizer, s)} if req.logprobs else None})
         if log is not None:
             log.add(Call(seen, recorded), returned)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
-                "choices": choices, "usage": _usage(len(prompt), samples)}
+        return choices
 
-    async def completion(self, req: CompletionRequest, episode_id: str | None) -> dict[str, Any]:
-        tok = self.policy.tokenizer
-        prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in req.prompts()]
+    async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
+        log, prompt, seen, sampling = self._chat_setup(req, episode_id)
+        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
+                "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples),
+                "usage": _usage(len(prompt), samples)}
+
+    def chat_deltas(self, req: ChatRequest, episode_id: str | None) -> tuple[str, AsyncIterator[tuple]]:
+        """Start a chat request's generation and return (response id, its events): ("text", choice,
+        settled content), then ("end", choices as a plain response has them, the content each choice
+        still has to send, usage) or ("error", message). A request refused before generation raises
+        here, so it is an ordinary HTTP error; the recording is the plain call's (`_chat_choices`)."""
+        log, prompt, seen, sampling = self._chat_setup(req, episode_id)
+        feed = TokenFeed()
+        job = self.submit(req.model, [prompt] * req.n, sampling, req.seed, on_step=feed.on_step)
+        feed.watch(job.future)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+        async def events() -> AsyncIterator[tuple]:
+            texts = [ChoiceText(sampling.max_new_tokens, self.policy.eos_ids) for _ in range(req.n)]
+            async for step in feed.steps():
+                for i, token in step:
+                    if texts[i].add(token) and (text := texts[i].delta(self.policy.tokenizer, sampling.stop, bool(req.tools))):
+                        yield ("text", i, text)
+            try:
+                samples = job.future.result()
+            except Exception as e:  # noqa: BLE001 - the stream has started: the error ends it as an event
+                yield ("error", f"{type(e).__name__}: {e}")
+                return
+            choices = self._chat_choices(req, rid, log, prompt, seen, sampling, samples)
+            yield ("end", choices, [texts[c["index"]].rest(c["message"]["content"]) for c in choices],
+                   _usage(len(prompt), samples))
+
+        return rid, events()
+
+    def chat_completion_stream(self, req: ChatRequest, episode_id: str | None) -> AsyncIterator[str]:
+        """The Server-Sent Events of a streamed chat completion (stages/service/stream.py)."""
+        rid, events = self.chat_deltas(req, episode_id)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return chat_sse(rid, req.model, req.n, include_usage, events)
+
+    def _completion_setup(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingConfig]:
+        prompts = [self.policy.tokenizer(p, add_special_tokens=False)["input_ids"] for p in req.prompts()]
         if any(not p for p in prompts):
             raise ServiceError(400, "prompt must not be empty")
-        sampling = self.sampling(req.temperature, req.top_p, req.max_tokens, req.stop, max(map(len, prompts)))
-        _, samples = await self.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed)
+        return prompts, self.sampling(req.temperature, req.top_p, req.max_tokens, req.stop, max(map(len, prompts)))
+
+    def _completion_choices(self, req: CompletionRequest, episode_id: str | None, prompts: list[list[int]],
+                            sampling: SamplingConfig, samples: list[Sample]) -> list[dict[str, Any]]:
+        """The response's choices; records each (streamed or not, the same record)."""
         log = self.recorder.get(episode_id) if episode_id else None
         choices = []
         for i, s in enumerate(samples):
@@ -230,13 +287,45 @@ class PolicyService:
                              [Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text), s.finish_reason)]), [])
             lp = None
             if req.logprobs is not None:
-                entries = logprobs_content(tok, s)
+                entries = logprobs_content(self.policy.tokenizer, s)
                 lp = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
                       "top_logprobs": None, "text_offset": None}
             choices.append({"index": i, "text": visible_text(s.text, list(sampling.stop)),
                             "finish_reason": s.finish_reason, "logprobs": lp})
+        return choices
+
+    async def completion(self, req: CompletionRequest, episode_id: str | None) -> dict[str, Any]:
+        prompts, sampling = self._completion_setup(req)
+        _, samples = await self.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": req.model, "choices": choices, "usage": _usage(sum(map(len, prompts)), samples)}
+                "model": req.model, "choices": self._completion_choices(req, episode_id, prompts, sampling, samples),
+                "usage": _usage(sum(map(len, prompts)), samples)}
+
+    def completion_stream(self, req: CompletionRequest, episode_id: str | None) -> AsyncIterator[str]:
+        """The Server-Sent Events of a streamed completion: text deltas per choice index, then each
+        choice's finish chunk, the usage chunk if asked, `[DONE]` (stages/service/stream.py)."""
+        prompts, sampling = self._completion_setup(req)
+        feed = TokenFeed()
+        job = self.submit(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed, on_step=feed.on_step)
+        feed.watch(job.future)
+
+        async def events() -> AsyncIterator[tuple]:
+            texts = [ChoiceText(sampling.max_new_tokens, self.policy.eos_ids) for _ in job.prompts]
+            async for step in feed.steps():
+                for i, token in step:
+                    if texts[i].add(token) and (t := texts[i].delta(self.policy.tokenizer, sampling.stop, False)):
+                        yield ("text", i, t)
+            try:
+                samples = job.future.result()
+            except Exception as e:  # noqa: BLE001 - the stream has started: the error ends it as an event
+                yield ("error", f"{type(e).__name__}: {e}")
+                return
+            choices = self._completion_choices(req, episode_id, prompts, sampling, samples)
+            yield ("end", choices, [texts[c["index"]].rest(c["text"]) for c in choices],
+                   _usage(sum(map(len, prompts)), samples))
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return completion_sse(f"cmpl-{uuid.uuid4().hex}", req.model, include_usage, events())
 
     def episode(self, episode_id: str) -> dict[str, Any]:
         log = self.recorder.peek(episode_id)
@@ -246,6 +335,23 @@ class PolicyService:
         return {"episode_id": episode_id, "token_ids": t.token_ids, "loss_mask": t.loss_mask,
                 "behavior_logprobs": t.behavior_logprobs, "segment_starts": t.segment_starts,
                 "num_turns": t.num_turns, "messages": [m.to_openai() for m in t.messages]}
+
+
+def _fan_out(chunk: list[tuple[_Job, int, list[int]]]) -> Callable[[list[int]], None] | None:
+    """The callback handing each decoding step's tokens (one per row of `chunk`) to the streamed jobs
+    among the rows; None when no row streams."""
+    if not any(job.on_step for job, _, _ in chunk):
+        return None
+
+    def on_step(tokens: list[int]) -> None:
+        per_job: dict[int, tuple[_Job, list[tuple[int, int]]]] = {}
+        for (job, k, _), token in zip(chunk, tokens):
+            if job.on_step is not None:
+                per_job.setdefault(id(job), (job, []))[1].append((k, token))
+        for job, pairs in per_job.values():
+            job.on_step(pairs)
+
+    return on_step
 
 
 def _usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:

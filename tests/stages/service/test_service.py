@@ -268,7 +268,7 @@ def test_completions_endpoint_records_and_returns_logprobs(service):
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ({"model": "base", "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
     ({"model": "base", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, 400, "temperature"),
-    ({"model": "base", "messages": [{"role": "user", "content": "hi"}], "stream": True}, 400, "stream"),
+    ({"model": "base", "messages": [{"role": "user", "content": "hi"}], "stream": [1]}, 400, "stream"),
     ({"model": "base", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ({"model": "base", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5}, 400, "top_logprobs"),
     ({"model": "base", "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "limit"),
