@@ -77,7 +77,8 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None  # OpenAI function schemas
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
-    top_logprobs: Literal[0] | None = None  # only the sampled token's log-prob is recorded
+    # The k most likely tokens at each step, from the distribution the token was drawn from (needs logprobs: true).
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("tools")
     @classmethod
@@ -103,7 +104,7 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
-    logprobs: int | None = Field(None, ge=0, le=0)  # 0: the sampled token's log-prob only
+    logprobs: int | None = Field(None, ge=0, le=20)  # k: the sampled token's log-prob and the k most likely
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
@@ -127,12 +128,15 @@ _ID_RE = re.compile(r"[^A-Za-z0-9]")
 
 def logprobs_content(tokenizer: Any, sample: Sample) -> list[dict[str, Any]]:
     """OpenAI's `logprobs.content`: one entry per sampled token (the final EOS included, since it
-    was sampled and is trained on), without alternatives."""
-    out = []
-    for token_id, lp in zip(sample.token_ids, sample.logprobs):
+    was sampled and is trained on), with its `top_logprobs` alternatives when they were asked for."""
+
+    def entry(token_id: int, lp: float) -> dict[str, Any]:
         token = tokenizer.decode([token_id], skip_special_tokens=False)
-        out.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
-    return out
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    tops = sample.top_logprobs or [[] for _ in sample.token_ids]
+    return [entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]}
+            for t, lp, top in zip(sample.token_ids, sample.logprobs, tops)]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,

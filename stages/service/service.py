@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 from stages.policy.chat import ChatFormat
 from stages.policy.resident import ResidentPolicy
-from stages.policy.sampling import Sample, SamplingConfig, decode_turn
+from stages.policy.sampling import RowOptions, Sample, SamplingConfig, decode_turn
+from stages.service.decoding import request_decoding
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.service.resolve import Resolver
 from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, visible_text,
@@ -74,6 +75,7 @@ class _Job:
     prompts: list[list[int]]
     sampling: SamplingConfig
     seed: int | None
+    options: RowOptions = RowOptions()  # per prompt: top log-probs, a constraint (rows differing here share a call)
     future: Future = field(default_factory=Future)
 
 
@@ -121,13 +123,13 @@ class PolicyService:
                               max_new_tokens=min(wanted, room), stop=tuple(stop))
 
     async def generate(self, model: str, prompts: list[list[int]], sampling: SamplingConfig,
-                       seed: int | None) -> tuple[str, list[Sample]]:
+                       seed: int | None, options: RowOptions = RowOptions()) -> tuple[str, list[Sample]]:
         """Queue prompts for the batcher; returns (policy id, one sample per prompt)."""
         try:
             policy_id, adapter_dir = self.resolve(model)
         except KeyError as e:
             raise ServiceError(404, e.args[0] if e.args else f"unknown model {model!r}", "model_not_found") from None
-        job = _Job(policy_id, adapter_dir, prompts, sampling, seed)
+        job = _Job(policy_id, adapter_dir, prompts, sampling, seed, options)
         self._queue.put(job)
         return policy_id, await asyncio.wrap_future(job.future)
 
@@ -167,7 +169,7 @@ class PolicyService:
                 seed = jobs[0].seed if jobs[0].seed is not None else self._seeds.randrange(2**31)
                 sampling = replace(jobs[0].sampling, max_new_tokens=max(j.sampling.max_new_tokens for j, _ in chunk))
                 samples = self.policy.generate(jobs[0].policy_id, jobs[0].adapter_dir, [p for _, p in chunk],
-                                               sampling, seed)
+                                               sampling, seed, rows=[j.options for j, _ in chunk])
                 self.generate_calls += 1
                 for (job, _), sample in zip(chunk, samples):
                     out[id(job)].append(self._cut(sample, job.sampling.max_new_tokens))
@@ -183,17 +185,19 @@ class PolicyService:
         if len(sample.token_ids) <= max_new_tokens:
             return sample
         ids = sample.token_ids[:max_new_tokens]
-        return Sample(ids, sample.logprobs[:max_new_tokens], decode_turn(self.policy.tokenizer, ids, self.policy.eos_ids),
-                      "length")
+        top = sample.top_logprobs[:max_new_tokens] if sample.top_logprobs is not None else None
+        return replace(sample, token_ids=ids, logprobs=sample.logprobs[:max_new_tokens], top_logprobs=top,
+                       text=decode_turn(self.policy.tokenizer, ids, self.policy.eos_ids), finish_reason="length")
 
     # -- endpoints -------------------------------------------------------------------------
 
     async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
+        req, options = self._decoding(req)
         log = self.recorder.get(episode_id) if episode_id else None
         prompt, seen = chat_prompt(self.chat, req.conversation(), log, self.policy.eos_ids)
         sampling = self.sampling(req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens,
                                  req.stop, len(prompt))
-        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed)
+        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices, recorded, returned = [], [], []
         for i, s in enumerate(samples):
@@ -220,7 +224,8 @@ class PolicyService:
         if any(not p for p in prompts):
             raise ServiceError(400, "prompt must not be empty")
         sampling = self.sampling(req.temperature, req.top_p, req.max_tokens, req.stop, max(map(len, prompts)))
-        _, samples = await self.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed)
+        _, samples = await self.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed,
+                                         RowOptions(top_logprobs=req.logprobs or 0))
         log = self.recorder.get(episode_id) if episode_id else None
         choices = []
         for i, s in enumerate(samples):
@@ -232,11 +237,20 @@ class PolicyService:
             if req.logprobs is not None:
                 entries = logprobs_content(tok, s)
                 lp = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                      "top_logprobs": None, "text_offset": None}
+                      "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries]
+                      if req.logprobs else None, "text_offset": None}
             choices.append({"index": i, "text": visible_text(s.text, list(sampling.stop)),
                             "finish_reason": s.finish_reason, "logprobs": lp})
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": req.model, "choices": choices, "usage": _usage(sum(map(len, prompts)), samples)}
+
+    def _decoding(self, req: ChatRequest) -> tuple[ChatRequest, RowOptions]:
+        """The request's decoding fields as sampler options (stages/service/decoding.py); a field the
+        service cannot honour is a 400 naming it."""
+        try:
+            return request_decoding(req, self.policy.tokenizer, self.policy.eos_ids)
+        except ValueError as e:
+            raise ServiceError(400, str(e)) from None
 
     def episode(self, episode_id: str) -> dict[str, Any]:
         log = self.recorder.peek(episode_id)
