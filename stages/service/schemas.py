@@ -2,8 +2,9 @@
 
 Requests are validated with pydantic: a malformed one (a missing field, a wrong type, an unknown
 role, `stream: true`, ...) is a 400 with an OpenAI-style error body, built in stages/service/app.py.
-Only the fields rlops implements are read; other OpenAI fields (`tool_choice`,
-`parallel_tool_calls`, `stream_options`, ...) are accepted and ignored, as vLLM does.
+Only the fields rlops implements are read; other OpenAI fields (`stream_options`, ...) are accepted
+and ignored, as vLLM does. `tool_choice`, `parallel_tool_calls`, `response_format` and `top_logprobs`
+are honoured or refused by stages/service/decoding.py.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     # The k most likely tokens at each step, from the distribution the token was drawn from (needs logprobs: true).
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Constrained decoding (stages/service/decoding.py): each value is honoured or refused, never ignored.
+    tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {type: function, function: {name}}
+    parallel_tool_calls: bool | None = None  # false: at most one call in a constrained turn
+    response_format: dict[str, Any] | None = None  # {type: text | json_object | json_schema, json_schema: {schema}}
 
     @field_validator("tools")
     @classmethod

@@ -198,6 +198,9 @@ class PolicyService:
         sampling = self.sampling(req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens,
                                  req.stop, len(prompt))
         _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options)
+        failed = next((s.error for s in samples if s.error), None)
+        if failed:
+            raise ServiceError(500, failed)  # a constraint that left no token: say so, return no broken turn
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices, recorded, returned = [], [], []
         for i, s in enumerate(samples):
@@ -208,7 +211,8 @@ class PolicyService:
             text = visible_text(s.text, list(sampling.stop))
             shown = Message("assistant", without_tool_calls(text) if req.tools else text, calls)
             finish = "tool_calls" if calls else s.finish_reason
-            recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason))
+            recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason,
+                                       s.constraint))
             returned.append(shown)
             choices.append({"index": i, "message": shown.to_openai() | {"content": shown.content},
                             "finish_reason": finish,
@@ -258,7 +262,7 @@ class PolicyService:
             raise ServiceError(404, f"no recorded calls for episode {episode_id!r}", "episode_not_found")
         t = assemble(log)
         return {"episode_id": episode_id, "token_ids": t.token_ids, "loss_mask": t.loss_mask,
-                "behavior_logprobs": t.behavior_logprobs, "segment_starts": t.segment_starts,
+                "behavior_logprobs": t.behavior_logprobs, "segment_starts": t.segment_starts, "constraints": t.constraints,
                 "num_turns": t.num_turns, "messages": [m.to_openai() for m in t.messages]}
 
 

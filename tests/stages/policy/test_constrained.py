@@ -47,3 +47,97 @@ def test_top_logprobs_are_the_k_best_of_the_sampled_distribution(policy: tuple[A
             else:
                 assert lp <= lps[-1] + 1e-6
 
+
+# Bounded strings and numbers, no extra keys: a random model never closes a free string (or key) by itself.
+TOOLS = [
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "maxLength": 6}}, "required": ["query"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "read", "parameters": {
+        "type": "object", "properties": {"doc_id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "full": {"type": "boolean"}}, "required": ["doc_id", "full"], "additionalProperties": False}}},
+]
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                           "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
+          "required": ["city", "year"], "additionalProperties": False}
+
+
+def _schema(name: str) -> dict[str, Any]:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("only", [None, "read"])
+def test_required_tool_choice_always_gives_a_valid_call(policy: tuple[Any, Any], seed: int, only: str | None) -> None:
+    import jsonschema
+
+    from stages.policy.constrain import tool_call_constraint
+    from tasks.base import parse_tool_calls
+
+    model, tokenizer = policy
+    backend = HFBackend(model, tokenizer)
+    c = tool_call_constraint(TOOLS, only=only, parallel=False, label="tool_choice=required")
+    samples = backend.generate(prompts(tokenizer), SamplingConfig(max_new_tokens=64), seed=seed,
+                               rows=[RowOptions(constraint=c)] * 3)
+    for s in samples:
+        assert s.finish_reason == "stop" and s.token_ids[-1] in backend.eos_ids and s.error is None, s.text
+        assert s.constraint == "tool_choice=required"
+        (call,) = parse_tool_calls(s.text, 0)
+        assert call.name in ([only] if only else ["search", "read"])
+        jsonschema.validate(json.loads(call.arguments), _schema(call.name))
+
+
+def test_json_schema_output_parses_and_validates(policy: tuple[Any, Any]) -> None:
+    import jsonschema
+
+    from stages.policy.constrain import json_constraint
+
+    model, tokenizer = policy
+    c = json_constraint(ANSWER, "response_format=json_schema")
+    for seed in (0, 1):
+        for s in HFBackend(model, tokenizer).generate(prompts(tokenizer), SamplingConfig(max_new_tokens=48), seed=seed,
+                                                      rows=[RowOptions(constraint=c)] * 3):
+            assert s.finish_reason == "stop", s.text
+            jsonschema.validate(json.loads(s.text), ANSWER)
+
+
+def _masked_logprobs(model: Any, tokenizer: Any, prefix: list[int], tokens: list[int], lark: str,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax((logits with the grammar's disallowed tokens at -inf) / T) recomputed independently: a
+    separate forward pass and a fresh llguidance matcher replaying the sampled tokens. (n,) and (n, V)"""
+    import llguidance
+    import llguidance.hf
+    import numpy as np
+
+    ll = llguidance.hf.from_tokenizer(tokenizer, eos_token=tokenizer.eos_token_id)
+    m = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark))
+    logits = next_token_logits(model, prefix, tokens)  # (n, V)
+    for step, token in enumerate(tokens):
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[: logits.shape[1]].astype(bool))
+        logits[step, ~allowed] = float("-inf")
+        assert m.consume_token(token)
+    full = torch.log_softmax(logits / temperature, dim=-1)
+    return full.gather(1, torch.tensor(tokens)[:, None]).squeeze(1), full
+
+
+def test_constrained_and_free_rows_share_a_call_and_log_probs_are_the_masked_ones(policy: tuple[Any, Any]) -> None:
+    from stages.policy.constrain import tool_call_constraint
+
+    model, tokenizer = policy
+    backend, batch, sampling = HFBackend(model, tokenizer), prompts(tokenizer), SamplingConfig(0.8, max_new_tokens=40)
+    c = tool_call_constraint(TOOLS, only=None, parallel=True, label="tool_choice=required")
+    mixed = backend.generate(batch, sampling, seed=5, rows=[RowOptions(constraint=c), RowOptions(),
+                                                            RowOptions(top_logprobs=4, constraint=c)])
+    free = backend.generate(batch, sampling, seed=5)
+    assert mixed[1].token_ids == free[1].token_ids and mixed[1].logprobs == free[1].logprobs
+    assert mixed[1].constraint is None and mixed[0].token_ids != free[0].token_ids
+    for row in (0, 2):
+        s = mixed[row]
+        expected, full = _masked_logprobs(model, tokenizer, batch[row], s.token_ids, c.lark, 0.8)
+        assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4)
+        unmasked = torch.log_softmax(next_token_logits(model, batch[row], s.token_ids) / 0.8, dim=-1)
+        assert (expected >= unmasked.gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1) - 1e-5).all()
+    for step, top in enumerate(mixed[2].top_logprobs):  # alternatives from the masked distribution only
+        allowed = int(torch.isfinite(full[step]).sum())
+        assert len(top) == min(4, allowed) and all(torch.isfinite(full[step, t]) for t, _ in top)
