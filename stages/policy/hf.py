@@ -6,7 +6,10 @@
 Left-padded batches, seeded, on CPU or GPU. Identical prompts in a batch are prefilled once; inside
 `conversation()` an agent's next turn reuses its previous turn's key/value cache (stages/policy/kv_cache.py).
 Two logits processors ride along with `generate`: one records log_softmax(logits / T) at each sampled
-token (the definition in stages/policy/sampling.py), one draws the token itself by inverse-CDF sampling.
+token (the definition in stages/policy/sampling.py; and the top k for rows that ask), one draws the
+token itself by inverse-CDF sampling. When a row is constrained (`RowOptions.constraint`), a third runs
+first and masks each constrained row to its grammar (stages/policy/constrain.py), so what is recorded
+is the masked distribution; calls without a constrained row do not have it.
 
 torch and transformers are imported inside the functions that need them.
 """
@@ -18,25 +21,31 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from stages.policy.kv_cache import KeptCache, cache_kwarg, growing
-from stages.policy.sampling import Sample, SamplingConfig, decode_turn, eos_token_ids
+from stages.policy.sampling import RowOptions, Sample, SamplingConfig, decode_turn, eos_token_ids
 
 if TYPE_CHECKING:
     import torch
 
 
 class _LogprobRecorder:
-    """A logits processor that records log_softmax(logits / T) at each sampled token.
+    """A logits processor that records log_softmax(logits / T) at each sampled token, and for the rows
+    that ask (`top_k[row] > 0`) the k most likely tokens of that same distribution.
 
     transformers runs custom processors after its own (none are configured here) and before the
-    sampling warpers (temperature, top_p), so `scores` are the raw logits. The token sampled from
-    step t's scores shows up as the last column of `input_ids` at step t+1, so only one step of
-    logits is kept alive: O(B * V) memory instead of the O(B * T * V) of `output_logits=True`.
+    sampling warpers (temperature, top_p), so `scores` are the raw logits, or the constraint-masked
+    ones when a `GrammarMasker` runs first. The token sampled from step t's scores shows up as the last
+    column of `input_ids` at step t+1, so only one step of logits is kept alive: O(B * V) memory instead
+    of the O(B * T * V) of `output_logits=True`.
     """
 
-    def __init__(self, temperature: float) -> None:
+    def __init__(self, temperature: float, top_k: list[int] | None = None) -> None:
         self.temperature = temperature
         self._scores: torch.Tensor | None = None  # (B, V) raw logits of the previous step
         self._logprobs: list[torch.Tensor] = []  # per step, (B,)
+        # Only the rows that ask pay for a top-k: no (B, V) work when none does.
+        self._top_rows = [r for r, k in enumerate(top_k or []) if k > 0]
+        self._k = max(top_k or [0])
+        self._top: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step, (R, k) log-probs and ids
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._scores is not None:
@@ -52,8 +61,13 @@ class _LogprobRecorder:
         if self.temperature != 1.0:
             z = z / self.temperature
         # log_softmax at one token = z[token] - logsumexp(z): no (B, V) log-prob tensor is written.
+        norm = torch.logsumexp(z, dim=-1)  # (B,)
         picked = z.gather(1, tokens[:, None]).squeeze(1)  # (B,)
-        self._logprobs.append(picked - torch.logsumexp(z, dim=-1))
+        self._logprobs.append(picked - norm)
+        if self._top_rows:
+            rows = torch.tensor(self._top_rows, device=z.device)
+            values, ids = z[rows].topk(self._k, dim=-1)  # (R, k), best first
+            self._top.append(((values - norm[rows, None]).cpu(), ids.cpu()))
 
     def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """Log-probs of all generated tokens, (B, n); `last_tokens` (B,) were sampled at the last step."""
@@ -62,6 +76,15 @@ class _LogprobRecorder:
         self._collect(last_tokens)
         self._scores = None
         return torch.stack(self._logprobs, dim=1)
+
+    def top(self, row: int, k: int, n: int) -> list[list[tuple[int, float]]] | None:
+        """Row `row`'s k most likely (token id, log-prob) at each of its first n steps; None if it did not ask."""
+        if row not in self._top_rows:
+            return None
+        r = self._top_rows.index(row)
+        # A constraint can leave fewer than k tokens possible: the impossible ones (-inf) are left out.
+        return [[(t, v) for t, v in zip(ids[r, :k].tolist(), lps[r, :k].tolist()) if v != float("-inf")]
+                for lps, ids in self._top[:n]]
 
 
 class _InverseCDFSampler:
@@ -121,11 +144,13 @@ class HFBackend:
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None,
-        on_step: Callable[[list[int]], None] | None = None,
+        rows: list[RowOptions] | None = None, on_step: Callable[[list[int]], None] | None = None,
     ) -> list[Sample]:
         """Sample one turn per prompt in one left-padded batch; deterministic for a given seed.
-        `on_step`, if given, receives each decoding step's sampled tokens (one per row, as they are
-        produced; a finished row gets the pad id), without changing what is sampled."""
+        `rows[i]` asks prompt i's top log-probs and grammar constraint (stages/policy/sampling.py); a
+        free row samples exactly as it would in a call without the others' options. `on_step`, if given,
+        receives each decoding step's sampled tokens (one per row, as they are produced; a finished row
+        gets the pad id), without changing what is sampled."""
         import torch
         from transformers import LogitsProcessorList
 
@@ -137,9 +162,17 @@ class HFBackend:
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention_mask[row, width - len(ids) :] = 1
 
+        rows = rows or [RowOptions()] * len(prompt_token_ids)
         greedy = sampling.temperature == 0
-        recorder = _LogprobRecorder(1.0 if greedy else sampling.temperature)
-        processors = [recorder]
+        recorder = _LogprobRecorder(1.0 if greedy else sampling.temperature, [r.top_logprobs for r in rows])
+        processors: list[Any] = [recorder]
+        masker = None
+        if any(r.constraint is not None for r in rows):  # free batches pay nothing for the feature
+            from stages.policy.constrain import GrammarMasker
+
+            # Before the recorder: the recorded log-probs are those of the masked distribution.
+            masker = GrammarMasker([r.constraint for r in rows], self.tokenizer, self.eos_ids)
+            processors.insert(0, masker)
         fast = not greedy and sampling.top_p >= 1.0  # sample in our processor, let generate take its pick
         if fast:
             processors.append(_InverseCDFSampler(sampling.temperature))
@@ -179,6 +212,13 @@ class HFBackend:
             new = sequences[:, width:]  # (B, n)
             logprobs = recorder.finish(new[:, -1])  # (B, n)
         samples = [self._sample(ids, lps, sampling) for ids, lps in zip(new.tolist(), logprobs.tolist())]
+        for i, (s, r) in enumerate(zip(samples, rows)):
+            s.top_logprobs = recorder.top(i, r.top_logprobs, len(s.token_ids))
+            if r.constraint is not None:
+                s.constraint = r.constraint.label
+                step, error = masker.errors.get(i, (None, None))
+                if step is not None and step < len(s.token_ids):  # not after the row had ended anyway
+                    s.error = f"constraint {r.constraint.label}: {error}"
         if keep:
             kept = [p + s.token_ids for p, s in zip(prompt_token_ids, samples)]
             self._kept.keep(kept, width, prompt_token_ids, getattr(out, cache_kwarg()))

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Any, Callable, Literal
 
-from stages.policy.sampling import Sample, SamplingConfig
+from stages.policy.sampling import RowOptions, Sample, SamplingConfig
 
 Engine = Literal["hf", "vllm"]
 
@@ -62,18 +62,19 @@ class ResidentPolicy:
         return int(self.backend.model.config.max_position_embeddings)
 
     def generate(self, policy_id: str, adapter_dir: str | None, prompt_token_ids: list[list[int]],
-                 sampling: SamplingConfig, seed: int | None = None,
+                 sampling: SamplingConfig, seed: int | None = None, rows: list[RowOptions] | None = None,
                  on_step: Callable[[list[int]], None] | None = None) -> list[Sample]:
-        """Sample one continuation per prompt from `policy_id` (its adapter folder, None for the base).
-        `on_step` receives each decoding step's tokens (one per row) as the HF backend samples them;
-        vLLM's offline engine returns whole turns, so there it is not called (a streamed request then
-        gets its tokens at the end of the turn)."""
+        """Sample one continuation per prompt from `policy_id` (its adapter folder, None for the base);
+        `rows[i]`: prompt i's top log-probs and constraint (None: nothing asked). `on_step` receives each
+        decoding step's tokens (one per row) as the HF backend samples them; vLLM's offline engine returns
+        whole turns, so there it is not called (a streamed request then gets its tokens at the end of the
+        turn)."""
         with self._lock:
             if self.engine == "vllm":
                 self.backend.use_adapter(policy_id, adapter_dir)
-                return self.backend.generate(prompt_token_ids, sampling, seed)
+                return self.backend.generate(prompt_token_ids, sampling, seed, rows)
             with self._activate(adapter_dir):
-                return self.backend.generate(prompt_token_ids, sampling, seed, on_step=on_step)
+                return self.backend.generate(prompt_token_ids, sampling, seed, rows, on_step=on_step)
 
     def _activate(self, adapter_dir: str | None) -> Any:
         """Make `adapter_dir` the active peft adapter (loading it on first use); returns the context

@@ -8,6 +8,12 @@ The behavior log-prob of a sampled token is log_softmax(logits / temperature) at
 same definition the GRPO stage uses when it recomputes log-probs. top_p truncation changes which
 tokens can be drawn but is NOT part of the definition (greedy decoding, temperature 0, records the
 log-probs at temperature 1).
+
+Per row, a generate call can also be asked for more (`RowOptions`): the k most likely tokens at each
+step (`top_logprobs`, OpenAI's shape is built by the service) and a grammar the turn must follow
+(`Constraint`, masked decoding by llguidance: stages/policy/constrain.py). Under a constraint the
+behaviour log-prob is log_softmax of the masked logits / T, i.e. the renormalised distribution the
+token was really drawn from (the definition above, applied to the masked logits).
 """
 
 from __future__ import annotations
@@ -36,6 +42,27 @@ class SamplingConfig:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar one row's turn must follow (built in stages/policy/constrain.py).
+
+    `lark` is llguidance's Lark dialect (`%json {schema}` embeds a JSON schema); both backends hand it
+    to llguidance, so CPU and GPU constrain alike. `label` says what asked for it (recorded per call,
+    e.g. "tool_choice=required")."""
+
+    label: str
+    lark: str
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """What one prompt of a generate call asks beyond the call's shared `SamplingConfig`; rows with
+    different options still share the call (the default asks nothing: no extra work)."""
+
+    top_logprobs: int = 0  # the k most likely tokens per step, k <= 20 (OpenAI's limit)
+    constraint: Constraint | None = None
+
+
 @dataclass
 class Sample:
     """One sampled assistant turn.
@@ -50,6 +77,12 @@ class Sample:
     logprobs: list[float]
     text: str
     finish_reason: str
+    # Per sampled token, the k most likely (token id, log-prob), best first, from the distribution the
+    # token was drawn from (temperature applied, constraint mask applied); None when not asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    constraint: str | None = None  # the label of the constraint the turn followed, None when free
+    # Set when the constraint left no allowed token (a grammar bug): the turn was ended there with EOS.
+    error: str | None = None
 
 
 class Backend(Protocol):
@@ -58,9 +91,11 @@ class Backend(Protocol):
     eos_ids: set[int]  # token ids that end an assistant turn
 
     def generate(
-        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None,
+        rows: list[RowOptions] | None = None,
     ) -> list[Sample]:
-        """Sample one continuation per prompt (same order); `seed` defaults to `sampling.seed`."""
+        """Sample one continuation per prompt (same order); `seed` defaults to `sampling.seed`;
+        `rows[i]` is what prompt i asks beyond `sampling` (None: nothing)."""
         ...
 
 

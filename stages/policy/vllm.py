@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from stages.policy.sampling import Sample, SamplingConfig, decode_turn
+from stages.policy.sampling import Constraint, RowOptions, Sample, SamplingConfig, decode_turn
 
 
 class VLLMBackend:
@@ -32,6 +32,14 @@ class VLLMBackend:
     than record nucleus-renormalised values. The default "raw_logprobs" would ignore the
     temperature (log_softmax(logits) at T=1). Greedy requests (temperature 0) report
     log_softmax(logits), again matching the definition.
+
+    Constraints (`RowOptions.constraint`) go to vLLM's structured outputs as a grammar, on the
+    "guidance" backend: the same llguidance and the same Lark text as the HF backend
+    (stages/policy/constrain.py). vLLM applies the grammar bitmask to the logits before its sampler,
+    so the processed log-probs are those of the masked distribution, as on HF. Top log-probs are
+    vLLM's `logprobs=k` (the k best of the same processed distribution, plus the sampled token).
+    Unverified: written against vLLM's documented API (>= 0.12 `StructuredOutputsParams`, 0.10-0.11
+    `GuidedDecodingParams`), never run here.
     """
 
     def __init__(self, base_model: str, max_lora_rank: int = 64, **engine_kwargs: Any) -> None:
@@ -44,6 +52,7 @@ class VLLMBackend:
             enable_lora=True,
             max_lora_rank=max_lora_rank,
             logprobs_mode="processed_logprobs",
+            **_guidance_backend(),
             **engine_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -62,16 +71,19 @@ class VLLMBackend:
         self._lora_request = LoRARequest(policy_id, lora_id, adapter_dir)
 
     def generate(
-        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None,
+        rows: list[RowOptions] | None = None,
     ) -> list[Sample]:
         """Sample one turn per prompt; request i is seeded with seed + i, so identical prompts (a
-        GRPO group) get different samples and each request is reproducible on its own."""
+        GRPO group) get different samples and each request is reproducible on its own. `rows[i]`:
+        prompt i's top log-probs and constraint."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if sampling.top_p < 1.0:
             raise ValueError("VLLMBackend records log-probs of the untruncated distribution only: use top_p=1.0")
         base = sampling.seed if seed is None else seed
+        rows = rows or [RowOptions()] * len(prompt_token_ids)
         params = [
             SamplingParams(
                 temperature=sampling.temperature,
@@ -80,20 +92,54 @@ class VLLMBackend:
                 stop=list(sampling.stop) or None,
                 include_stop_str_in_output=True,  # keep the text consistent with the tokens
                 seed=base + i,
-                logprobs=0,  # only the sampled token's log-prob
+                logprobs=row.top_logprobs,  # 0: only the sampled token's log-prob
+                **_structured(row.constraint),
             )
-            for i in range(len(prompt_token_ids))
+            for i, row in enumerate(rows)
         ]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         samples = []
-        for out in outputs:
+        for out, row in zip(outputs, rows):
             c = out.outputs[0]
             ids = list(c.token_ids)
             lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]  # one {token: Logprob} per step
             text = decode_turn(self.tokenizer, ids, self.eos_ids)
-            samples.append(Sample(ids, lps, text, "stop" if c.finish_reason == "stop" else "length"))
+            sample = Sample(ids, lps, text, "stop" if c.finish_reason == "stop" else "length")
+            if row.top_logprobs:
+                # Each step's dict holds the k best (rank 1..k) and the sampled token (any rank); tokens
+                # a constraint forbids (-inf) are left out, as on HF.
+                sample.top_logprobs = [
+                    [(t, lp.logprob) for t, lp in sorted(step.items(), key=lambda kv: kv[1].rank)
+                     if lp.rank <= row.top_logprobs and lp.logprob != float("-inf")]
+                    for step in c.logprobs]
+            if row.constraint is not None:
+                sample.constraint = row.constraint.label
+            samples.append(sample)
         return samples
+
+
+def _guidance_backend() -> dict[str, Any]:
+    """The engine argument that makes llguidance vLLM's structured-output backend."""
+    try:
+        from vllm.sampling_params import StructuredOutputsParams  # noqa: F401  (vLLM >= 0.11)
+    except ImportError:
+        return {"guided_decoding_backend": "guidance"}
+    return {"structured_outputs_config": {"backend": "guidance"}}
+
+
+def _structured(constraint: Constraint | None) -> dict[str, Any]:
+    """SamplingParams' keyword for a row's constraint: the Lark grammar (llguidance's dialect, which
+    the guidance backend reads as is); nothing for a free row."""
+    if constraint is None:
+        return {}
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(grammar=constraint.lark, backend="guidance")}
+    return {"structured_outputs": StructuredOutputsParams(grammar=constraint.lark)}
 
 
 _RESIDENT: dict[str, VLLMBackend] = {}  # base model -> its engine, for this process's run

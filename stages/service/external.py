@@ -196,7 +196,13 @@ def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None) -> 
     return dict(messages=messages, token_ids=t.token_ids, loss_mask=t.loss_mask, behavior_logprobs=t.behavior_logprobs,
                 segment_starts=t.segment_starts, num_turns=t.num_turns, num_tool_calls=_tool_messages(messages),
                 finish_reason="answer" if last is not None and not last.tool_calls else "max_turns",
-                truncated=t.finish_reason == "length", metadata={**prompt.metadata, **extra})
+                truncated=t.finish_reason == "length", metadata={**prompt.metadata, **extra, **_constrained(t)})
+
+
+def _constrained(t: Any) -> dict[str, Any]:
+    """`served_constraints` (per call, the constraint its turn was sampled under, null when free) when any call
+    was constrained: those turns' behaviour log-probs are the masked distribution's (README, service)."""
+    return {"served_constraints": t.constraints} if any(t.constraints) else {}
 
 
 def _messages(raw: list[Any], log: EpisodeLog) -> list[Message]:

@@ -39,6 +39,9 @@ class Completion:
     logprobs: list[float]  # aligned with token_ids
     message: Message  # content: the raw sampled text (renders back to token_ids), tool calls parsed
     finish_reason: str  # stop | length
+    # The constraint the turn was sampled under (e.g. "tool_choice=required"), None when free: its
+    # log-probs are then those of the masked, renormalised distribution (stages/policy/constrain.py).
+    constraint: str | None = None
 
 
 @dataclass
@@ -185,6 +188,7 @@ class Trajectory:
     messages: list[Message]  # the last call's conversation + its chosen completion
     num_turns: int
     finish_reason: str  # of the last completion: stop | length
+    constraints: list[str | None] = field(default_factory=list)  # per call, its chosen completion's constraint
 
 
 def assemble(log: EpisodeLog) -> Trajectory:
@@ -212,4 +216,5 @@ def assemble(log: EpisodeLog) -> Trajectory:
         token_ids=ids, loss_mask=mask, behavior_logprobs=logprobs, segment_starts=starts,
         messages=(last.messages + [last.choices[last.chosen].message]) if last else [],
         num_turns=len(log.calls), finish_reason=last.choices[last.chosen].finish_reason if last else "",
+        constraints=[c.choices[c.chosen].constraint for c in log.calls],
     )

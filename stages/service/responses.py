@@ -71,7 +71,8 @@ class ResponsesAPI:
         history += [m.to_openai() for m in req.messages()]
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
         chat = ChatRequest(model=req.model, messages=system + history, tools=req.chat_tools(),
-                           max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
+                           max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                           tool_choice=_chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls)
         return chat, history
 
     def _output(self, choice: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -182,3 +183,10 @@ class ResponsesAPI:
 
         return run()
 
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """Responses' `tool_choice` in chat's shape: the named form {type: function, name} becomes
+    {type: function, function: {name}}; "auto", "none", "required" are the same in both."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice

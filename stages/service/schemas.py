@@ -8,7 +8,9 @@ model below), or accepted and ignored because it does not change what is sampled
 (`IGNORED`, some only at their harmless values), or refused with a 400 that names it, never a
 silent no-op: the fields listed in `REFUSED` with the reason, and any other unknown field. A field
 sent as `null` means "not set" and is always accepted. Nested objects (messages, tool calls) keep
-ignoring extra keys (`annotations`, `refusal`, `index`): clients echo them back.
+ignoring extra keys (`annotations`, `refusal`, `index`): clients echo them back. `tool_choice`,
+`parallel_tool_calls`, `response_format` and `top_logprobs` are honoured or refused by
+stages/service/decoding.py.
 """
 
 from __future__ import annotations
@@ -39,9 +41,6 @@ IGNORED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is False, "best_of": lambda v: v == 1,
     "truncation": lambda v: v == "disabled",  # a prompt over the context is a 400, never truncated
     "text": lambda v: isinstance(v, dict) and v.get("format", {"type": "text"}) == {"type": "text"},
-    # Constrained decoding (tool_choice "required"/named, response_format) is another change to this
-    # module; until it lands these are accepted as they always were.
-    "tool_choice": _always, "response_format": _always,
 }
 # Refused with the reason: they would change what is sampled or returned and are not implemented.
 REFUSED: dict[str, str] = {
@@ -61,7 +60,9 @@ REFUSED: dict[str, str] = {
     "best_of": "best_of is not implemented", "suffix": "suffix is not implemented",
     "web_search_options": "no built-in tools", "background": "background responses are not implemented",
     "truncation": "a prompt over the context is refused, never truncated: truncation must be \"disabled\"",
-    "text": "only plain text output is implemented",
+    "text": "only plain text output is implemented (structured output: use chat's response_format)",
+    "tool_choice": "tool_choice applies to chat and Responses requests with tools",
+    "response_format": "response_format applies to chat requests",
     "max_tool_calls": "max_tool_calls is not implemented",
     "conversation": "stored conversations: use previous_response_id",
 }
@@ -156,7 +157,12 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None  # OpenAI function schemas
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
-    top_logprobs: Literal[0] | None = None  # only the sampled token's log-prob is recorded
+    # The k most likely tokens at each step, from the distribution the token was drawn from (needs logprobs: true).
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Constrained decoding (stages/service/decoding.py): each value is honoured or refused, never ignored.
+    tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {type: function, function: {name}}
+    parallel_tool_calls: bool | None = None  # false: at most one call in a constrained turn
+    response_format: dict[str, Any] | None = None  # {type: text | json_object | json_schema, json_schema: {schema}}
 
     @field_validator("tools")
     @classmethod
@@ -182,7 +188,7 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
-    logprobs: int | None = Field(None, ge=0, le=0)  # 0: the sampled token's log-prob only
+    logprobs: int | None = Field(None, ge=0, le=20)  # k: the sampled token's log-prob and the k most likely
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
@@ -206,12 +212,15 @@ _ID_RE = re.compile(r"[^A-Za-z0-9]")
 
 def logprobs_content(tokenizer: Any, sample: Sample) -> list[dict[str, Any]]:
     """OpenAI's `logprobs.content`: one entry per sampled token (the final EOS included, since it
-    was sampled and is trained on), without alternatives."""
-    out = []
-    for token_id, lp in zip(sample.token_ids, sample.logprobs):
+    was sampled and is trained on), with its `top_logprobs` alternatives when they were asked for."""
+
+    def entry(token_id: int, lp: float) -> dict[str, Any]:
         token = tokenizer.decode([token_id], skip_special_tokens=False)
-        out.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
-    return out
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    tops = sample.top_logprobs or [[] for _ in sample.token_ids]
+    return [entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]}
+            for t, lp, top in zip(sample.token_ids, sample.logprobs, tops)]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
@@ -243,6 +252,9 @@ class ResponsesRequest(_Request):
     metadata: dict[str, Any] | None = None  # echoed back
     user: str | None = None  # the episode id when no X-Episode-Id header is sent
     top_logprobs: Literal[0] | None = None  # only the sampled token's log-prob is recorded
+    # Honoured as chat's (stages/service/decoding.py); Responses' named form is {type: function, name}.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("tools")
     @classmethod

@@ -34,7 +34,8 @@ from typing import Any, AsyncIterator, Callable
 
 from stages.policy.chat import ChatFormat
 from stages.policy.resident import ResidentPolicy
-from stages.policy.sampling import Sample, SamplingConfig, decode_turn
+from stages.policy.sampling import RowOptions, Sample, SamplingConfig, decode_turn
+from stages.service.decoding import request_decoding
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.service.resolve import Resolver
 from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, visible_text,
@@ -75,6 +76,7 @@ class _Job:
     prompts: list[list[int]]
     sampling: SamplingConfig
     seed: int | None
+    options: RowOptions = RowOptions()  # per prompt: top log-probs, a constraint (rows differing here share a call)
     future: Future = field(default_factory=Future)
     # A streamed request's feed: gets (prompt index, token) pairs of each decoding step.
     on_step: Callable[[list[tuple[int, int]]], None] | None = None
@@ -124,20 +126,20 @@ class PolicyService:
                               max_new_tokens=min(wanted, room), stop=tuple(stop))
 
     async def generate(self, model: str, prompts: list[list[int]], sampling: SamplingConfig,
-                       seed: int | None) -> tuple[str, list[Sample]]:
+                       seed: int | None, options: RowOptions = RowOptions()) -> tuple[str, list[Sample]]:
         """Queue prompts for the batcher; returns (policy id, one sample per prompt)."""
-        job = self.submit(model, prompts, sampling, seed)
+        job = self.submit(model, prompts, sampling, seed, options)
         return job.policy_id, await asyncio.wrap_future(job.future)
 
     def submit(self, model: str, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None,
-               on_step: Callable[[list[tuple[int, int]]], None] | None = None) -> _Job:
+               options: RowOptions = RowOptions(), on_step: Callable[[list[tuple[int, int]]], None] | None = None) -> _Job:
         """Queue prompts for the batcher (an unknown model is refused here, before any streaming starts);
         the job's future gets one sample per prompt."""
         try:
             policy_id, adapter_dir = self.resolve(model)
         except KeyError as e:
             raise ServiceError(404, e.args[0] if e.args else f"unknown model {model!r}", "model_not_found") from None
-        job = _Job(policy_id, adapter_dir, prompts, sampling, seed, on_step=on_step)
+        job = _Job(policy_id, adapter_dir, prompts, sampling, seed, options, on_step=on_step)
         self._queue.put(job)
         return job
 
@@ -177,7 +179,8 @@ class PolicyService:
                 seed = jobs[0].seed if jobs[0].seed is not None else self._seeds.randrange(2**31)
                 sampling = replace(jobs[0].sampling, max_new_tokens=max(j.sampling.max_new_tokens for j, _, _ in chunk))
                 samples = self.policy.generate(jobs[0].policy_id, jobs[0].adapter_dir, [p for _, _, p in chunk],
-                                               sampling, seed, on_step=_fan_out(chunk))
+                                               sampling, seed, rows=[j.options for j, _, _ in chunk],
+                                               on_step=_fan_out(chunk))
                 self.generate_calls += 1
                 for (job, _, _), sample in zip(chunk, samples):
                     out[id(job)].append(self._cut(sample, job.sampling.max_new_tokens))
@@ -193,22 +196,30 @@ class PolicyService:
         if len(sample.token_ids) <= max_new_tokens:
             return sample
         ids = sample.token_ids[:max_new_tokens]
-        return Sample(ids, sample.logprobs[:max_new_tokens], decode_turn(self.policy.tokenizer, ids, self.policy.eos_ids),
-                      "length")
+        top = sample.top_logprobs[:max_new_tokens] if sample.top_logprobs is not None else None
+        return replace(sample, token_ids=ids, logprobs=sample.logprobs[:max_new_tokens], top_logprobs=top,
+                       text=decode_turn(self.policy.tokenizer, ids, self.policy.eos_ids), finish_reason="length")
 
     # -- endpoints -------------------------------------------------------------------------
 
-    def _chat_setup(self, req: ChatRequest, episode_id: str | None) -> tuple[Any, list[int], list[Message], SamplingConfig]:
-        """The episode log, prompt ids, conversation as the model sees it, and sampling of a chat request."""
+    def _chat_setup(self, req: ChatRequest, episode_id: str | None
+                    ) -> tuple[ChatRequest, RowOptions, Any, list[int], list[Message], SamplingConfig]:
+        """The request as served (stages/service/decoding.py), its sampler options, the episode log, prompt
+        ids, conversation as the model sees it, and sampling of a chat request."""
+        req, options = self._decoding(req)
         log = self.recorder.get(episode_id) if episode_id else None
         prompt, seen = chat_prompt(self.chat, req.conversation(), log, self.policy.eos_ids)
         sampling = self.sampling(req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens,
                                  req.stop, len(prompt))
-        return log, prompt, seen, sampling
+        return req, options, log, prompt, seen, sampling
 
     def _chat_choices(self, req: ChatRequest, rid: str, log: Any, prompt: list[int], seen: list[Message],
                       sampling: SamplingConfig, samples: list[Sample]) -> list[dict[str, Any]]:
-        """The response's choices; records the call (streamed or not, the same record)."""
+        """The response's choices; records the call (streamed or not, the same record). A constraint
+        that left a row no token is a 500 naming it: no broken turn is returned or recorded."""
+        failed = next((s.error for s in samples if s.error), None)
+        if failed:
+            raise ServiceError(500, failed)
         choices, recorded, returned = [], [], []
         for i, s in enumerate(samples):
             # Tool calls only when the request offers tools: otherwise the text is the answer, as it was
@@ -218,7 +229,8 @@ class PolicyService:
             text = visible_text(s.text, list(sampling.stop))
             shown = Message("assistant", without_tool_calls(text) if req.tools else text, calls)
             finish = "tool_calls" if calls else s.finish_reason
-            recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason))
+            recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason,
+                                       s.constraint))
             returned.append(shown)
             choices.append({"index": i, "message": shown.to_openai() | {"content": shown.content},
                             "finish_reason": finish,
@@ -228,8 +240,8 @@ class PolicyService:
         return choices
 
     async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
-        log, prompt, seen, sampling = self._chat_setup(req, episode_id)
-        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed)
+        req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
+        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples),
@@ -240,9 +252,9 @@ class PolicyService:
         settled content), then ("end", choices as a plain response has them, the content each choice
         still has to send, usage) or ("error", message). A request refused before generation raises
         here, so it is an ordinary HTTP error; the recording is the plain call's (`_chat_choices`)."""
-        log, prompt, seen, sampling = self._chat_setup(req, episode_id)
+        req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
         feed = TokenFeed()
-        job = self.submit(req.model, [prompt] * req.n, sampling, req.seed, on_step=feed.on_step)
+        job = self.submit(req.model, [prompt] * req.n, sampling, req.seed, options, on_step=feed.on_step)
         feed.watch(job.future)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -254,10 +266,10 @@ class PolicyService:
                         yield ("text", i, text)
             try:
                 samples = job.future.result()
+                choices = self._chat_choices(req, rid, log, prompt, seen, sampling, samples)
             except Exception as e:  # noqa: BLE001 - the stream has started: the error ends it as an event
                 yield ("error", f"{type(e).__name__}: {e}")
                 return
-            choices = self._chat_choices(req, rid, log, prompt, seen, sampling, samples)
             yield ("end", choices, [texts[c["index"]].rest(c["message"]["content"]) for c in choices],
                    _usage(len(prompt), samples))
 
@@ -289,14 +301,16 @@ class PolicyService:
             if req.logprobs is not None:
                 entries = logprobs_content(self.policy.tokenizer, s)
                 lp = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                      "top_logprobs": None, "text_offset": None}
+                      "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries]
+                      if req.logprobs else None, "text_offset": None}
             choices.append({"index": i, "text": visible_text(s.text, list(sampling.stop)),
                             "finish_reason": s.finish_reason, "logprobs": lp})
         return choices
 
     async def completion(self, req: CompletionRequest, episode_id: str | None) -> dict[str, Any]:
         prompts, sampling = self._completion_setup(req)
-        _, samples = await self.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed)
+        _, samples = await self.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed,
+                                         RowOptions(top_logprobs=req.logprobs or 0))
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": req.model, "choices": self._completion_choices(req, episode_id, prompts, sampling, samples),
                 "usage": _usage(sum(map(len, prompts)), samples)}
@@ -306,7 +320,8 @@ class PolicyService:
         choice's finish chunk, the usage chunk if asked, `[DONE]` (stages/service/stream.py)."""
         prompts, sampling = self._completion_setup(req)
         feed = TokenFeed()
-        job = self.submit(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed, on_step=feed.on_step)
+        job = self.submit(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed,
+                          RowOptions(top_logprobs=req.logprobs or 0), on_step=feed.on_step)
         feed.watch(job.future)
 
         async def events() -> AsyncIterator[tuple]:
@@ -327,13 +342,21 @@ class PolicyService:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return completion_sse(f"cmpl-{uuid.uuid4().hex}", req.model, include_usage, events())
 
+    def _decoding(self, req: ChatRequest) -> tuple[ChatRequest, RowOptions]:
+        """The request's decoding fields as sampler options (stages/service/decoding.py); a field the
+        service cannot honour is a 400 naming it."""
+        try:
+            return request_decoding(req, self.policy.tokenizer, self.policy.eos_ids)
+        except ValueError as e:
+            raise ServiceError(400, str(e)) from None
+
     def episode(self, episode_id: str) -> dict[str, Any]:
         log = self.recorder.peek(episode_id)
         if log is None or not log.calls:
             raise ServiceError(404, f"no recorded calls for episode {episode_id!r}", "episode_not_found")
         t = assemble(log)
         return {"episode_id": episode_id, "token_ids": t.token_ids, "loss_mask": t.loss_mask,
-                "behavior_logprobs": t.behavior_logprobs, "segment_starts": t.segment_starts,
+                "behavior_logprobs": t.behavior_logprobs, "segment_starts": t.segment_starts, "constraints": t.constraints,
                 "num_turns": t.num_turns, "messages": [m.to_openai() for m in t.messages]}
 
 
