@@ -24,6 +24,10 @@ from stages.rollout import RolloutConfig, TaskSpec
 from stages.score import ScoreConfig, versions
 from stages.sft import SFTConfig
 from stages.update.config import GRPOConfig
+from stages.update.presets import ReinforcePPConfig, RLOOConfig
+
+# The update each step runs (flows/algorithms.py); each has its own section, named as the algorithm.
+Algorithm = Literal["grpo", "rloo", "reinforce_pp"]
 
 
 class SFTSection(SFTConfig):
@@ -51,6 +55,9 @@ class DynamicSampling(BaseModel):
     max_batches: int = Field(4, ge=1)  # rollout batches per step at most, the first one included
 
 
+ALGORITHM_SECTIONS = ("grpo", "rloo", "reinforce_pp")
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")  # the run's name: reruns and schedules continue its lineage
@@ -61,7 +68,11 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = RolloutConfig()
     score: ScoreConfig
     train_reward: str | None = None  # reward name GRPO optimises; None = score.total
+    # Which update each step runs; absent = grpo, so configs written before it keep their ids.
+    algorithm: Algorithm = "grpo"
     grpo: GRPOConfig = GRPOConfig()
+    rloo: RLOOConfig = RLOOConfig()  # algorithm: rloo
+    reinforce_pp: ReinforcePPConfig = ReinforcePPConfig()  # algorithm: reinforce_pp
     dynamic_sampling: DynamicSampling = DynamicSampling()  # more groups when a step's are uninformative
     eval: EvalSection = EvalSection()
     # Checkpoints logged to MLflow as models (adapter files + lineage tags): the final one, or every
@@ -77,6 +88,15 @@ class RunConfig(BaseModel):
             raise ValueError("rollout.ray_address was moved: set `ray: {address: ...}` at the top level "
                              "(it applies to rollout, score and grpo)")
         return data
+
+    @model_validator(mode="after")
+    def _one_algorithm(self) -> RunConfig:
+        # A section of an algorithm the run does not use would be silently ignored: say so instead.
+        unused = [a for a in ALGORITHM_SECTIONS if a in self.model_fields_set and a != self.algorithm]
+        if unused:
+            raise ValueError(f"algorithm is {self.algorithm!r}, but the config sets {', '.join(unused)}: "
+                             f"set `algorithm: {unused[0]}` or remove the section")
+        return self
 
     @property
     def reward_name(self) -> str:
