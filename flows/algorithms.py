@@ -5,7 +5,7 @@
 
 Every update stage takes (config, ctx, parent_policy, batches, reward) and returns a checkpoint, so the
 pipeline, the replay (`retrain`) and `rlops stage` call them alike. grpo, rloo and reinforce_pp all run the
-grpo stage (they differ in the advantage only, stages/update/presets.py).
+grpo stage (they differ in the advantage only, stages/update/presets.py); dpo runs the dpo stage.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from flows.run_config import RunConfig
-from stages import grpo
+from stages import dpo, grpo
 from stages.common import ArtifactRef
 
 
@@ -25,6 +25,8 @@ def update_stage(cfg: RunConfig) -> tuple[Callable[..., ArtifactRef], Any]:
         return grpo.run, cfg.rloo.to_grpo()
     if cfg.algorithm == "reinforce_pp":
         return grpo.run, cfg.reinforce_pp.to_grpo()
+    if cfg.algorithm == "dpo":
+        return dpo.run, cfg.dpo
     raise ValueError(f"unknown algorithm {cfg.algorithm!r}")
 
 
