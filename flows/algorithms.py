@@ -5,7 +5,7 @@
 
 Every update stage takes (config, ctx, parent_policy, batches, reward) and returns a checkpoint, so the
 pipeline, the replay (`retrain`) and `rlops stage` call them alike. grpo, rloo and reinforce_pp all run the
-grpo stage (they differ in the advantage only, stages/update/presets.py); dpo runs the dpo stage.
+grpo stage (they differ in the advantage only, stages/update/presets.py); dpo and ppo run their own stages.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from flows.run_config import RunConfig
-from stages import dpo, grpo
+from stages import dpo, grpo, ppo
 from stages.common import ArtifactRef
 
 
@@ -27,6 +27,8 @@ def update_stage(cfg: RunConfig) -> tuple[Callable[..., ArtifactRef], Any]:
         return grpo.run, cfg.reinforce_pp.to_grpo()
     if cfg.algorithm == "dpo":
         return dpo.run, cfg.dpo
+    if cfg.algorithm == "ppo":
+        return ppo.run, cfg.ppo
     raise ValueError(f"unknown algorithm {cfg.algorithm!r}")
 
 

@@ -25,10 +25,11 @@ from stages.score import ScoreConfig, versions
 from stages.sft import SFTConfig
 from stages.update.config import GRPOConfig
 from stages.update.dpo import DPOConfig
+from stages.update.ppo import PPOConfig
 from stages.update.presets import ReinforcePPConfig, RLOOConfig
 
 # The update each step runs (flows/algorithms.py); each has its own section, named as the algorithm.
-Algorithm = Literal["grpo", "rloo", "reinforce_pp", "dpo"]
+Algorithm = Literal["grpo", "rloo", "reinforce_pp", "dpo", "ppo"]
 
 
 class SFTSection(SFTConfig):
@@ -56,7 +57,7 @@ class DynamicSampling(BaseModel):
     max_batches: int = Field(4, ge=1)  # rollout batches per step at most, the first one included
 
 
-ALGORITHM_SECTIONS = ("grpo", "rloo", "reinforce_pp", "dpo")
+ALGORITHM_SECTIONS = ("grpo", "rloo", "reinforce_pp", "dpo", "ppo")
 
 
 class RunConfig(BaseModel):
@@ -75,6 +76,7 @@ class RunConfig(BaseModel):
     rloo: RLOOConfig = RLOOConfig()  # algorithm: rloo
     reinforce_pp: ReinforcePPConfig = ReinforcePPConfig()  # algorithm: reinforce_pp
     dpo: DPOConfig = DPOConfig()  # algorithm: dpo (online DPO), and `rlops stage dpo`
+    ppo: PPOConfig = PPOConfig()  # algorithm: ppo (a learned critic, GAE per token or per turn)
     dynamic_sampling: DynamicSampling = DynamicSampling()  # more groups when a step's are uninformative
     eval: EvalSection = EvalSection()
     # Checkpoints logged to MLflow as models (adapter files + lineage tags): the final one, or every

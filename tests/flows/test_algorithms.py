@@ -55,7 +55,7 @@ def test_bad_algorithm_sections_are_refused(tiny_model_dir, data, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, stage", [("rloo", "grpo"), ("reinforce_pp", "grpo"), ("dpo", "dpo")])
+@pytest.mark.parametrize("algorithm, stage", [("rloo", "grpo"), ("reinforce_pp", "grpo"), ("dpo", "dpo"), ("ppo", "ppo")])
 def test_each_algorithm_runs_one_pipeline_step(tmp_path, tiny_model_dir, algorithm, stage):
     cfg = from_dict({**tiny_config(tiny_model_dir, name=algorithm, steps=1), "sft": None, "eval": {"n_prompts": 1},
                      "algorithm": algorithm})
