@@ -95,8 +95,11 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_algorithm(self) -> RunConfig:
-        # A section of an algorithm the run does not use would be silently ignored: say so instead.
-        unused = [a for a in ALGORITHM_SECTIONS if a in self.model_fields_set and a != self.algorithm]
+        # A section of an algorithm the run does not use would be silently ignored: say so instead. A section
+        # at its defaults is fine (a serialised config carries every section), and so is `grpo:`, which every
+        # shipped config carries: switching `algorithm:` on one of them must not need an edit.
+        unused = [a for a in ALGORITHM_SECTIONS if a in self.model_fields_set and a not in (self.algorithm, "grpo")
+                  and getattr(self, a) != type(self).model_fields[a].default]
         if unused:
             raise ValueError(f"algorithm is {self.algorithm!r}, but the config sets {', '.join(unused)}: "
                              f"set `algorithm: {unused[0]}` or remove the section")

@@ -44,7 +44,7 @@ def test_each_algorithm_has_its_own_small_config(tiny_model_dir, algorithm, sect
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"algorithm": "rloo", "grpo": {"lr": 1e-3}}, "algorithm is 'rloo', but the config sets grpo"),
+    ({"algorithm": "rloo", "dpo": {"beta": 0.5}}, "algorithm is 'rloo', but the config sets dpo"),
     ({"reinforce_pp": {"lr": 1e-3}}, "set `algorithm: reinforce_pp`"),
     ({"algorithm": "rloo", "rloo": {"baseline": "mean"}}, "baseline"),  # not a knob of RLOO
     ({"algorithm": "a2c"}, "algorithm"),
@@ -52,6 +52,13 @@ def test_each_algorithm_has_its_own_small_config(tiny_model_dir, algorithm, sect
 def test_bad_algorithm_sections_are_refused(tiny_model_dir, data, message):
     with pytest.raises(ConfigError, match=message):
         from_dict({**tiny_config(tiny_model_dir), **data})
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp", "dpo", "ppo"])
+def test_a_serialised_config_and_a_shipped_grpo_section_are_accepted(tiny_model_dir, algorithm):
+    # flows hand configs to Prefect as model_dump(): every section present, at its defaults
+    cfg = from_dict({**tiny_config(tiny_model_dir), "algorithm": algorithm, "grpo": {"lr": 3e-4}})
+    assert from_dict(cfg.model_dump(mode="json")).algorithm == algorithm
 
 
 @pytest.mark.slow
