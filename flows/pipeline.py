@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from flows.algorithms import update_stage, update_workers
 from flows.run_config import RunConfig
-from stages import cluster, evaluate, grpo, rollout, score, sft
+from stages import cluster, evaluate, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
 from stages.policy.session import PolicySession
 from stages.reward_ref import RewardRef
@@ -100,7 +101,7 @@ def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: 
 def ray_workers(cfg: RunConfig) -> dict[str, int]:
     """What each stage of the run asks of Ray (stages.cluster.prepare checks it before any work)."""
     return {"rollout.workers": cfg.rollout.workers, "score.workers": cfg.score.workers,
-            "grpo.workers": cfg.grpo.workers}
+            "grpo.workers": update_workers(cfg)}
 
 
 def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | None, start_step: int,
@@ -129,7 +130,8 @@ def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | No
         batches = [batch.id]
         if cfg.dynamic_sampling.enabled:
             batches += more_batches(cfg, ctx, call, policy, step, reward, batch.id)
-        policy = call(f"grpo-{step}", grpo.run, cfg.grpo, ctx, parent_policy=policy, batches=batches,
+        update, update_config = update_stage(cfg)  # the `algorithm:` (grpo unless set)
+        policy = call(f"{cfg.algorithm}-{step}", update, update_config, ctx, parent_policy=policy, batches=batches,
                       reward=reward).id
         result.batches.extend(batches)
         result.policies.append(policy)
@@ -201,7 +203,9 @@ def retrain(cfg: RunConfig, ctx: StageContext, from_policy: str, run_name: str, 
         for i, batches in enumerate(step_batches(ctx, run_name)):
             for batch in batches:  # a no-op when already rescored
                 call(f"rescore-{i}", score.run, cfg.score, ctx, batches=[batch])
-            policy = call(f"retrain-{i}", grpo.run, cfg.grpo, ctx, parent_policy=policy, batches=batches, reward=reward).id
+            update, update_config = update_stage(cfg)
+            policy = call(f"retrain-{i}", update, update_config, ctx, parent_policy=policy, batches=batches,
+                          reward=reward).id
             lineage.append(policy)
     return lineage
 

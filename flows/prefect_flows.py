@@ -185,7 +185,8 @@ def train_flow(config: dict[str, Any], workspace: str | None = None, continue_li
     ctx = _context(ws, cfg)
     start_policy, start_step = None, 0
     if continue_lineage:
-        latest = [c for c in ws.catalog.checkpoints(cfg.name) if c["kind"] == "grpo"]
+        # every update's checkpoint continues a lineage, whatever its algorithm (grpo, dpo, ...)
+        latest = [c for c in ws.catalog.checkpoints(cfg.name) if c["kind"] not in ("base", "sft")]
         if latest:
             start_policy, start_step = latest[-1]["policy_id"], int(latest[-1]["step"])
     background = _Background()

@@ -24,6 +24,12 @@ from stages.rollout import RolloutConfig, TaskSpec
 from stages.score import ScoreConfig, versions
 from stages.sft import SFTConfig
 from stages.update.config import GRPOConfig
+from stages.update.dpo import DPOConfig
+from stages.update.ppo import PPOConfig
+from stages.update.presets import ReinforcePPConfig, RLOOConfig
+
+# The update each step runs (flows/algorithms.py); each has its own section, named as the algorithm.
+Algorithm = Literal["grpo", "rloo", "reinforce_pp", "dpo", "ppo"]
 
 
 class SFTSection(SFTConfig):
@@ -51,6 +57,9 @@ class DynamicSampling(BaseModel):
     max_batches: int = Field(4, ge=1)  # rollout batches per step at most, the first one included
 
 
+ALGORITHM_SECTIONS = ("grpo", "rloo", "reinforce_pp", "dpo", "ppo")
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")  # the run's name: reruns and schedules continue its lineage
@@ -61,7 +70,13 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = RolloutConfig()
     score: ScoreConfig
     train_reward: str | None = None  # reward name GRPO optimises; None = score.total
+    # Which update each step runs; absent = grpo, so configs written before it keep their ids.
+    algorithm: Algorithm = "grpo"
     grpo: GRPOConfig = GRPOConfig()
+    rloo: RLOOConfig = RLOOConfig()  # algorithm: rloo
+    reinforce_pp: ReinforcePPConfig = ReinforcePPConfig()  # algorithm: reinforce_pp
+    dpo: DPOConfig = DPOConfig()  # algorithm: dpo (online DPO), and `rlops stage dpo`
+    ppo: PPOConfig = PPOConfig()  # algorithm: ppo (a learned critic, GAE per token or per turn)
     dynamic_sampling: DynamicSampling = DynamicSampling()  # more groups when a step's are uninformative
     eval: EvalSection = EvalSection()
     # Checkpoints logged to MLflow as models (adapter files + lineage tags): the final one, or every
@@ -77,6 +92,18 @@ class RunConfig(BaseModel):
             raise ValueError("rollout.ray_address was moved: set `ray: {address: ...}` at the top level "
                              "(it applies to rollout, score and grpo)")
         return data
+
+    @model_validator(mode="after")
+    def _one_algorithm(self) -> RunConfig:
+        # A section of an algorithm the run does not use would be silently ignored: say so instead. A section
+        # at its defaults is fine (a serialised config carries every section), and so is `grpo:`, which every
+        # shipped config carries: switching `algorithm:` on one of them must not need an edit.
+        unused = [a for a in ALGORITHM_SECTIONS if a in self.model_fields_set and a not in (self.algorithm, "grpo")
+                  and getattr(self, a) != type(self).model_fields[a].default]
+        if unused:
+            raise ValueError(f"algorithm is {self.algorithm!r}, but the config sets {', '.join(unused)}: "
+                             f"set `algorithm: {unused[0]}` or remove the section")
+        return self
 
     @property
     def reward_name(self) -> str:

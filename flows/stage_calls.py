@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from flows import pipeline
 from flows.run_config import RunConfig
-from stages import evaluate, grpo, rollout, score, sft
+from stages import dpo, evaluate, grpo, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
 from stages.reward_ref import RewardRef
 
-STAGES = ("sft", "rollout", "score", "grpo", "evaluate")
+STAGES = ("sft", "rollout", "score", "grpo", "dpo", "evaluate")
 
 
 def resolve_policy_arg(cfg: RunConfig, ctx: StageContext, policy: str | None) -> str:
@@ -37,6 +37,11 @@ def call_stage(stage: str, cfg: RunConfig, ctx: StageContext, call: pipeline.Cal
         if not rollouts:
             raise ValueError("grpo needs --rollouts BATCH_ID [...]")
         return call("grpo", grpo.run, cfg.grpo, ctx, parent_policy=resolve_policy_arg(cfg, ctx, policy),
+                    batches=rollouts, reward=RewardRef.parse(reward or cfg.reward_name))
+    if stage == "dpo":  # the config's `dpo:` section, whatever its `algorithm:`
+        if not rollouts:
+            raise ValueError("dpo needs --rollouts BATCH_ID [...]")
+        return call("dpo", dpo.run, cfg.dpo, ctx, parent_policy=resolve_policy_arg(cfg, ctx, policy),
                     batches=rollouts, reward=RewardRef.parse(reward or cfg.reward_name))
     if stage == "evaluate":
         return call("evaluate", evaluate.run, cfg.eval, ctx, policy_id=resolve_policy_arg(cfg, ctx, policy),

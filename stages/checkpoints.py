@@ -32,7 +32,7 @@ class Checkpoint:
     policy_id: str
     parent_id: str
     base_model: str
-    kind: str  # sft | grpo
+    kind: str  # sft | grpo | dpo | ppo
     step: int
     config_hash: str
     mlflow_run_id: str | None = None

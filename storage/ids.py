@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 # Short, readable prefixes so an id says what it is in SQL output and logs.
-PREFIX = {"rollout": "ro", "score": "rw", "reward_set": "rs", "grpo": "ck", "sft": "ck", "evaluate": "ev", "base": "base"}
+PREFIX = {"rollout": "ro", "score": "rw", "reward_set": "rs", "grpo": "ck", "sft": "ck", "dpo": "ck", "ppo": "ck", "evaluate": "ev", "base": "base"}
 
 
 def canonical_json(value: Any, strict: bool = False) -> str:

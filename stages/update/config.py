@@ -48,7 +48,7 @@ class GRPOConfig(BaseModel):
     max_grad_norm: float = 1.0  # the common clip; a few outlier sequences cannot blow up a step
     weight_decay: float = 0.0  # decay on LoRA weights pulls toward the base for no measured gain (TRL's default)
     scale: Literal["group", "batch", "none"] = "group"  # GRPO's per-group std; "none" is Dr. GRPO
-    baseline: Literal["mean", "rloo"] = "mean"  # GRPO's group mean; "rloo" leaves the sample out
+    baseline: Literal["mean", "rloo", "batch"] = "mean"  # GRPO's group mean; "rloo" leaves the sample out; "batch": REINFORCE++
     eps_low: float = 0.2  # PPO's clip range below 1
     eps_high: float = 0.28  # DAPO's clip-higher: rare tokens may still rise (arXiv 2503.14476)
     ratio_cap: float | None = 3.0  # dual-clip c=3 (arXiv 1912.09729): bounds the loss on stale/mismatched logprobs

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 Scale = Literal["group", "batch", "none"]
-Baseline = Literal["mean", "rloo"]
+Baseline = Literal["mean", "rloo", "batch"]
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
 
 
@@ -40,7 +40,13 @@ def _rloo_baseline(r: Tensor, g: Tensor) -> Tensor:
     return torch.where(others > 0, (_group_sum(r, g)[g] - r) / others.clamp(min=1), r)
 
 
-BASELINES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"mean": _mean_baseline, "rloo": _rloo_baseline}
+def _batch_baseline(r: Tensor, g: Tensor) -> Tensor:
+    # REINFORCE++, https://arxiv.org/abs/2501.03262: the whole batch's mean (global normalisation, no groups).
+    return r.mean().expand_as(r)
+
+
+BASELINES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"mean": _mean_baseline, "rloo": _rloo_baseline,
+                                                            "batch": _batch_baseline}
 
 
 def _group_std(r: Tensor, g: Tensor) -> Tensor:  # (N,): population std of each member's group

@@ -27,6 +27,9 @@ BATCH_STD = math.sqrt(7.76)
         ("batch", "mean", [-1 / BATCH_STD, 1 / BATCH_STD, -4 / BATCH_STD, 0, 4 / BATCH_STD]),  # 1/2.785678 = 0.358979
         ("none", "rloo", [1 - 3, 3 - 1, 0 - 6, 4 - 4, 8 - 2]),
         ("group", "rloo", [-2, 2, -6 / B_STD, 0, 6 / B_STD]),  # 6 / 3.265986 = 1.837117
+        # REINFORCE++: batch mean 3.2 and batch std, whatever the groups
+        ("batch", "batch", [(r - 3.2) / BATCH_STD for r in REWARDS]),  # (1 - 3.2) / 2.785678 = -0.789754
+        ("none", "batch", [r - 3.2 for r in REWARDS]),
     ],
 )
 def test_group_advantages(scale: str, baseline: str, expected: list[float]) -> None:

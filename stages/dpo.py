@@ -1,0 +1,80 @@
+"""DPO stage: one preference-optimisation update of a LoRA adapter on scored rollout batches.
+
+    ref = run(DPOConfig(), ctx, parent_policy="ck-...", batches=["ro-..."], reward=RewardRef("correct"))
+
+It reads as grpo.py does: read (the scored rows -> preference pairs per group, stages/update/pairs.py) ->
+train (TRL's DPOTrainer on the rollouts' exact tokens and loss masks, the parent policy as reference,
+stages/update/dpo.py) -> save (the shared checkpoint writer: kind `dpo`, lineage = parent, batches,
+reward name@version). It takes the same arguments as the grpo stage, so it serves offline (every stored
+batch of a run at once) and as a pipeline step's update (`algorithm: dpo`, online DPO: each step's
+reference is the policy that sampled the step's rollouts).
+
+torch, transformers, trl and peft are imported inside functions: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from stages.checkpoints import Checkpoint, write_checkpoint
+from stages.common import ArtifactRef, StageContext, identity, resolve_policy, run_stage
+from stages.reward_ref import RewardRef
+from stages.update.data import read_scored
+from stages.update.dpo import DPOConfig, pair_tokens, train_dpo
+from stages.update.pairs import preference_pairs
+from storage.checkpoints import local_copy
+from storage.ids import config_hash
+
+
+def run(config: DPOConfig, ctx: StageContext, parent_policy: str, batches: list[str], reward: RewardRef) -> ArtifactRef:
+    """Train `parent_policy` with DPO on the pairs of `batches` scored by `reward` (without a version: the newest
+    version scored on all of them); return the new checkpoint (kind `dpo`).
+
+    The id hashes the parent, the batch ids (order-insensitive), the config and the resolved reward
+    name@version; a complete one is returned without training (cached=True). No pair (every group tied):
+    the checkpoint holds the parent's weights, as a GRPO step without signal does.
+    """
+    batches = sorted(set(batches))
+    reward = reward.resolve(ctx.ws, batches)
+
+    def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
+        from transformers import AutoTokenizer
+
+        from stages.policy.model import resolve_model
+        from stages.update.train import _load_trainable
+
+        ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": str(reward)})
+        pairs, metrics = preference_pairs(read_scored(ctx.ws, batches, reward), config.pairing, config.min_margin)
+        base_model, adapter_uri = resolve_policy(ctx.ws, parent_policy)
+        model = _load_trainable(base_model, local_copy(adapter_uri), config.lora)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(base_model))
+        start = time.perf_counter()
+        history = train_dpo(model, tokenizer, pairs, config) if pairs else []
+        seconds = time.perf_counter() - start
+        for i, row in enumerate(history):
+            ctx.ws.tracker.log_metrics(mlflow_run_id, {f"train/{k}": v for k, v in row.items()}, step=i)
+        tokens = float(pair_tokens(pairs) * config.epochs)
+        metrics.update(tokens=tokens, tokens_per_s=tokens / seconds if history else 0.0, optimizer_steps=float(len(history)))
+        if history:  # the last step's TRL figures: loss, reward accuracy (chosen above rejected), margin
+            last = history[-1]
+            metrics.update(loss=last["loss"], **{k.replace("/", "_"): v for k, v in last.items()
+                                                 if k.startswith("rewards/")})
+
+        step = ctx.ws.catalog.get_checkpoint(parent_policy)["step"] + 1
+        trained_on = {"batches": batches, "reward": str(reward)}
+        state = {"policy_id": policy_id, "parent_id": parent_policy, "step": step, "trained_on": trained_on,
+                 "config": identity(config), "history": history, "metrics": metrics,
+                 "pairs": [[p.chosen_id, p.rejected_id] for p in pairs]}
+
+        def save(folder):
+            model.save_pretrained(folder, safe_serialization=True)
+            (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
+
+        write_checkpoint(ctx, Checkpoint(policy_id, parent_id=parent_policy, base_model=base_model, kind="dpo", step=step,
+                                         config_hash=config_hash(identity(config)), mlflow_run_id=mlflow_run_id,
+                                         trained_on=trained_on), save=save)
+        return metrics
+
+    return run_stage(ctx, "dpo", "checkpoint", inputs=[parent_policy, *batches], config=config, body=body,
+                     version=str(reward), meta={"reward": str(reward)})
