@@ -6,6 +6,8 @@ everything about tokens and templates is exercised for real while a forward pass
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> 
 
 
 @pytest.fixture(autouse=True)
-def _isolated_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated_tracking_uri() -> Iterator[None]:
     # mlflow.set_tracking_uri() exports MLFLOW_TRACKING_URI, which Settings honours (a remote server
-    # is a settings change): without this, one test's workspace would leak into the next.
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # is a settings change): without this, one test's workspace would leak into the next. Cleared
+    # after each test too, not only before: a package- or module-scoped fixture set up for the next
+    # test runs before this one does (found by pytest -n 2, whose order put a views fixture after
+    # tests/storage/test_tracking.py: the fixture's run then tracked into that test's database).
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    yield
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
