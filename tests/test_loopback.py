@@ -61,7 +61,8 @@ def _kill_group_when_ready(cmd: list[str], tmp_path: Path, env: dict[str, str]) 
     mark = uuid.uuid4().hex
     ready = tmp_path / "ready"
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "RLOPS_TEST_MARK": mark, "VICTIM_READY": str(ready)},
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "victim.log", "wb"), start_new_session=True)
+                            stdout=(log := open(tmp_path / "victim.log", "wb")), stderr=log,  # pytest reports on stdout
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while not ready.exists():
