@@ -102,6 +102,17 @@ def test_tool_choice_required_and_named_return_tool_calls(service):
     assert free.usage.prompt_tokens < r.usage.prompt_tokens  # the tools were not offered
 
 
+def test_responses_tool_choice_is_honoured_like_chat(service):
+    client = _client(service, "ep-resp-req")
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses shape
+    r = client.responses.create(model="base", input="Who founded Vexhollow Dynamics?", tools=flat,
+                                tool_choice={"type": "function", "name": "read"}, max_output_tokens=48)
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "read" and 0 <= json.loads(call.arguments)["doc_id"] <= 99
+    episode = httpx.get(f"{service.url}/rlops/episodes/ep-resp-req", timeout=60).json()
+    assert episode["constraints"] == ["tool_choice=function:read"]
+
+
 def test_response_format_returns_json(service):
     client = _client(service)
     schema = {"type": "object", "properties": {"year": {"type": "integer", "minimum": 1900, "maximum": 2100}},

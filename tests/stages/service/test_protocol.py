@@ -59,7 +59,8 @@ def test_fields_that_change_nothing_are_accepted(served, path, extra):
     ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", "auto"),
-    ("/v1/chat/completions", "parallel_tool_calls", False),
+    ("/v1/completions", "tool_choice", "required"),  # honoured on chat and Responses (test_decoding.py)
+    ("/v1/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "reasoning_effort", "high"),
     ("/v1/chat/completions", "top_k", 5),
     ("/v1/chat/completions", "made_up_field", 1),
