@@ -54,4 +54,8 @@ class GRPOConfig(BaseModel):
     ratio_cap: float | None = 3.0  # dual-clip c=3 (arXiv 1912.09729): bounds the loss on stale/mismatched logprobs
     beta: float = 0.0  # no KL to the base (DAPO, Dr. GRPO); > 0 costs one more forward pass per step
     aggregation: Literal["token_mean", "seq_mean", "dr_grpo"] = "token_mean"  # DAPO's token-level mean
+    # The surrogate (stages/update/loss.py SURROGATES): PPO's per-token clip (today's), GSPO's sequence-level
+    # ratio (arXiv 2507.18071; pair with seq_mean and a narrow eps) or CISPO's clipped stop-gradient IS weight
+    # (arXiv 2506.13585; every token keeps its gradient; pair with a wide eps_high). eps_* and ratio_cap apply to each.
+    loss_mode: Literal["ppo_clip", "gspo", "cispo"] = Added("ppo_clip")
     lora: LoRASettings = Field(default_factory=LoRASettings)  # used only when the parent has no adapter

@@ -169,7 +169,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
             loss, stats = policy_loss(logp, b.behavior_logp, advantages[b.index.to(device)], b.mask,
                                       eps_low=config.eps_low, eps_high=config.eps_high, ratio_cap=config.ratio_cap,
                                       ref_logp=b.ref_logp, beta=config.beta, aggregation=config.aggregation,
-                                      max_tokens=max_tokens)
+                                      max_tokens=max_tokens, loss_mode=config.loss_mode)
             # Scale each micro-batch's mean so the accumulated sum is the mean over the whole batch.
             n = stats["num_tokens"]
             weight = n / total_tokens if config.aggregation == "token_mean" else len(b.index) / len(samples)
