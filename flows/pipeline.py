@@ -25,7 +25,7 @@ from stages.reward_ref import RewardRef
 
 Call = Callable[..., ArtifactRef]
 # What the per-step summary shows of the GRPO stage's metrics (besides the step's reward mean).
-STEP_FIELDS = ("loss", "frac_zero_variance_groups", "clip_frac")
+STEP_FIELDS = ("loss", "frac_zero_variance_groups", "clip_frac", "staleness", "is_weight_mean", "is_masked_frac")
 
 
 def direct(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs: Any) -> ArtifactRef:

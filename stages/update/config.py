@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.common import Added, Operational
+from stages.update.correction import Correction
 from stages.policy.lora import LoRASettings
 
 
@@ -58,4 +59,7 @@ class GRPOConfig(BaseModel):
     # ratio (arXiv 2507.18071; pair with seq_mean and a narrow eps) or CISPO's clipped stop-gradient IS weight
     # (arXiv 2506.13585; every token keeps its gradient; pair with a wide eps_high). eps_* and ratio_cap apply to each.
     loss_mode: Literal["ppo_clip", "gspo", "cispo"] = Added("ppo_clip")
+    # Off-policy correction from the behaviour log-probs (stages/update/correction.py): TIS cap, MIS and
+    # icepop ranges. Off by default (today's ratio to the behaviour policy); turn TIS on for async runs.
+    correction: Correction = Added(Correction())
     lora: LoRASettings = Field(default_factory=LoRASettings)  # used only when the parent has no adapter

@@ -151,6 +151,8 @@ def policy_loss(
     aggregation: Aggregation = "token_mean",
     max_tokens: int | None = None,
     loss_mode: LossMode = "ppo_clip",
+    old_logp: Tensor | None = None,
+    token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO objective: a surrogate (`loss_mode`: `ppo_clip`, `gspo` or `cispo`, see `SURROGATES`) plus beta * k3 KL.
 
@@ -158,7 +160,10 @@ def policy_loss(
     DAPO's clip-higher. ratio_cap truncates the ratio from above; with ratio_cap > 1 + eps_high
     that is dual-clip (https://arxiv.org/abs/1912.09729): a negative-advantage token's loss is
     bounded by ratio_cap * |A| and stops pushing. max_tokens is dr_grpo's constant normaliser
-    (the generation budget; defaults to T). Masked positions never contribute, whatever they
+    (the generation budget; defaults to T). Off-policy correction (stages/update/correction.py): with
+    old_logp (B, T) the ratio is taken against it instead of behavior_logp, and token_weight (B, T), the
+    truncated/masked IS weight old / behaviour, multiplies each token's surrogate (decoupled PPO, not the
+    KL term). Masked positions never contribute, whatever they
     hold (inf/NaN included). Returns (scalar loss, stats as python floats).
     """
     if beta > 0 and ref_logp is None:
@@ -170,8 +175,11 @@ def policy_loss(
     behavior_logp = torch.where(mask, behavior_logp.to(logp.dtype), zero)
     adv = advantages.to(logp.dtype)[:, None]  # (B, 1)
 
-    per_token, ratio = SURROGATES[loss_mode](logp, logp - behavior_logp, mask, adv, eps_low=eps_low,
+    anchor = behavior_logp if old_logp is None else torch.where(mask, old_logp.detach().to(logp.dtype), zero)
+    per_token, ratio = SURROGATES[loss_mode](logp, logp - anchor, mask, adv, eps_low=eps_low,
                                             eps_high=eps_high, ratio_cap=ratio_cap)  # (B, T) each
+    if token_weight is not None:
+        per_token = per_token * torch.where(mask, token_weight.detach().to(logp.dtype), zero)
     kl = k3_kl(logp, torch.where(mask, ref_logp.to(logp.dtype), zero)) if ref_logp is not None else None
     if kl is not None and beta > 0:
         per_token = per_token + beta * kl

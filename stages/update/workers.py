@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from stages.common import StageContext
 
-TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl")  # token-weighted means in train_on_batch
+TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "is_weight_mean", "is_masked_frac")  # token-weighted means in train_on_batch
 
 
 def train(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.Tensor, config: GRPOConfig, *,
