@@ -35,6 +35,9 @@ class GRPOConfig(BaseModel):
     # Data-parallel workers (Ray Train DDP, stages/update/workers.py); the update equals one worker's
     # up to float summation order, so it is not part of the checkpoint id.
     workers: int = Operational(1, ge=1)
+    # A resident vLLM engine sleeps during the update, giving its GPU memory to training. An asynchronous run
+    # (max_staleness > 0) keeps it generating beside the trainer, so flows/pipeline.py turns this off there.
+    sleep_generation: bool = Operational(True)
     # Groups whose rewards all agree have advantage 0: skipping them saves their forward/backward and
     # leaves them out of the token mean. False trains on every completion (TRL's behaviour, whose token
     # mean counts their tokens too): the same gradient direction, scaled down by the zero-signal share.
