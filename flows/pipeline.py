@@ -155,7 +155,7 @@ def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | No
 
     # max_staleness K: the batch of step s comes from the policy K versions back (flows/async_steps.py);
     # K = 0 makes the calls of the synchronous loop, in its order.
-    with async_steps.generation_context(ctx, cfg.max_staleness) as gen_ctx:
+    with async_steps.generation_context(ctx, cfg.max_staleness, cfg.base_model) as gen_ctx:
         lineage = async_steps.pipelined(range(start_step, start_step + cfg.steps), cfg.max_staleness, policy,
                                         generate, update)
     policy = lineage[-1] if lineage else policy
