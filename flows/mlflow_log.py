@@ -29,6 +29,10 @@ TRAIN_CURVES = {
     "kl": "train/kl",  # only when grpo.beta > 0
     "tokens_per_s": "train/tokens_per_s",
     "grad_norm": "train/grad_norm",
+    # off-policy health (stages/update/correction.py): 0 and 1.0 / 0 when generation and training agree
+    "staleness": "train/staleness",
+    "is_weight_mean": "train/is_weight_mean",
+    "is_masked_frac": "train/is_masked_frac",
 }
 HELDOUT = "heldout/"
 # With an SFT warm-start, step 0 of the held-out curves is the SFT checkpoint (where GRPO starts);

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from flows import async_steps
 from flows.algorithms import update_stage, update_workers
 from flows.run_config import RunConfig
 from stages import cluster, evaluate, rollout, score, sft
@@ -26,7 +27,7 @@ from stages.reward_ref import RewardRef
 
 Call = Callable[..., ArtifactRef]
 # What the per-step summary shows of the GRPO stage's metrics (besides the step's reward mean).
-STEP_FIELDS = ("loss", "frac_zero_variance_groups", "clip_frac")
+STEP_FIELDS = ("loss", "frac_zero_variance_groups", "clip_frac", "staleness", "is_weight_mean", "is_masked_frac")
 
 
 def direct(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs: Any) -> ArtifactRef:
@@ -120,24 +121,32 @@ def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | No
             result.evals[p] = evaluate_policy(cfg, ctx, p, call)
             on_step({"eval": p, **result.evals[p]})
 
-    for step in range(start_step, start_step + cfg.steps):
+    def generate(step: int, gen_policy: str) -> tuple[str, list[str], str]:
         # A continued lineage (a scheduled run) trains on prompts it has not seen first: rows added to
         # the task's data since the last run are picked up at once.
-        fresh = unseen_prompts(cfg, ctx, cfg.rollout.prompts_per_step) if start_policy else None
-        batch = call(f"rollout-{step}", rollout.run, cfg.rollout, ctx, policy_id=policy, task=cfg.task, split="train",
-                     step=step, prompt_ids=fresh)
-        scored = call(f"score-{step}", score.run, cfg.score, ctx, batches=[batch.id])
+        fresh = unseen_prompts(cfg, gen_ctx, cfg.rollout.prompts_per_step) if start_policy else None
+        batch = call(f"rollout-{step}", rollout.run, cfg.rollout, gen_ctx, policy_id=gen_policy, task=cfg.task,
+                     split="train", step=step, prompt_ids=fresh)
+        scored = call(f"score-{step}", score.run, cfg.score, gen_ctx, batches=[batch.id])
         batches = [batch.id]
         if cfg.dynamic_sampling.enabled:
-            batches += more_batches(cfg, ctx, call, policy, step, reward, batch.id)
-        update, update_config = update_stage(cfg)  # the `algorithm:` (grpo unless set)
-        policy = call(f"{cfg.algorithm}-{step}", update, update_config, ctx, parent_policy=policy, batches=batches,
+            batches += more_batches(cfg, gen_ctx, call, gen_policy, step, reward, batch.id)
+        return batch.id, batches, scored.id
+
+    update_fn, update_config = update_stage(cfg)  # the `algorithm:` (grpo unless set)
+    if cfg.max_staleness and "sleep_generation" in type(update_config).model_fields:
+        # an asynchronous run's vLLM engine keeps generating while the update runs (operational: same ids)
+        update_config = update_config.model_copy(update={"sleep_generation": False})
+
+    def update(step: int, policy: str, generated: tuple[str, list[str], str]) -> str:
+        batch, batches, scored = generated
+        policy = call(f"{cfg.algorithm}-{step}", update_fn, update_config, ctx, parent_policy=policy, batches=batches,
                       reward=reward).id
         result.batches.extend(batches)
         result.policies.append(policy)
-        metrics = ws.catalog.get_artifact(scored.id)["meta"]["metrics"]
+        metrics = ws.catalog.get_artifact(scored)["meta"]["metrics"]
         trained = ws.catalog.get_artifact(policy)["meta"]["metrics"]
-        on_step({"step": step, "batch": batch.id, "policy": policy,
+        on_step({"step": step, "batch": batch, "policy": policy,
                  "reward_mean": metrics.get(f"{reward.name}.mean", float("nan")),
                  **({"batches": len(batches)} if cfg.dynamic_sampling.enabled else {}),
                  **{k: trained[k] for k in STEP_FIELDS if k in trained}})
@@ -145,6 +154,14 @@ def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | No
         if (step - start_step + 1) % cfg.eval.every == 0 or last:
             result.evals[policy] = evaluate_policy(cfg, ctx, policy, call)
             on_step({"eval": policy, **result.evals[policy]})
+        return policy
+
+    # max_staleness K: the batch of step s comes from the policy K versions back (flows/async_steps.py);
+    # K = 0 makes the calls of the synchronous loop, in its order.
+    with async_steps.generation_context(ctx, cfg.max_staleness, cfg.base_model) as gen_ctx:
+        lineage = async_steps.pipelined(range(start_step, start_step + cfg.steps), cfg.max_staleness, policy,
+                                        generate, update)
+    policy = lineage[-1] if lineage else policy
     result.final = policy
     return result
 

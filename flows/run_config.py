@@ -78,6 +78,10 @@ class RunConfig(BaseModel):
     dpo: DPOConfig = DPOConfig()  # algorithm: dpo (online DPO), and `rlops stage dpo`
     ppo: PPOConfig = PPOConfig()  # algorithm: ppo (a learned critic, GAE per token or per turn)
     dynamic_sampling: DynamicSampling = DynamicSampling()  # more groups when a step's are uninformative
+    # Generation runs up to K policy versions ahead of training (flows/async_steps.py): the batch of step s
+    # comes from the policy after step s - K. 0 = the synchronous loop (and its ids); verl, ART and
+    # prime-rl users typically run 1-4, paired with grpo.correction (TIS) for the policy lag.
+    max_staleness: int = Field(0, ge=0)
     eval: EvalSection = EvalSection()
     # Checkpoints logged to MLflow as models (adapter files + lineage tags): the final one, or every
     # one (SFT and each GRPO step; ~1 adapter's size per step in mlartifacts/).

@@ -21,7 +21,7 @@ from stages.common import ArtifactRef, StageContext, identity, resolve_policy, r
 from stages.reward_ref import RewardRef
 from stages.update import workers
 from stages.update.config import GRPOConfig
-from stages.update.data import read_training_data
+from stages.update.data import read_training_data, staleness
 from stages.update.train import load_for_update, make_optimizer, save_update
 from storage.checkpoints import local_copy
 from storage.ids import config_hash
@@ -55,9 +55,11 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
                                 ctx=ctx, base_model=base_model)
         for epoch, m in enumerate(history):
             ctx.ws.tracker.log_metrics(mlflow_run_id, {f"train/{k}": v for k, v in m.items()}, step=epoch)
-        # Nothing to train on (every group agreed): every advantage is 0, and so are the loss and the clipping.
-        metrics = {**data.metrics, "loss": 0.0, "clip_frac": 0.0,
-                   "momentum_only_step": float(not data.samples and config.step_without_signal)}
+        # Nothing to train on (every group agreed): every advantage is 0, and so are the loss and the clipping;
+        # no token was weighed, so no mismatch was seen (IS weight 1, nothing masked).
+        metrics = {**data.metrics, "loss": 0.0, "clip_frac": 0.0, "is_weight_mean": 1.0, "is_masked_frac": 0.0,
+                   "momentum_only_step": float(not data.samples and config.step_without_signal),
+                   "staleness": float(staleness(ctx.ws, parent_policy, batches))}
         if history:  # last epoch's values; speed and first-pass ratio over the whole update
             seconds = sum(m["tokens"] / m["tokens_per_s"] for m in history)
             metrics.update(history[-1], first_pass_ratio_mean=history[0]["ratio_mean"],

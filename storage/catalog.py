@@ -12,6 +12,7 @@ has marked it complete, which happens after all its files are written and regist
 from __future__ import annotations
 
 import json
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -59,6 +60,9 @@ class Published:
     meta: dict[str, Any] | None = None
 
 
+_CONNECTION_LOCK = threading.RLock()  # re-entrant: a catalog method may query inside another's connection
+
+
 class Catalog:
     """Typed access to the catalog tables. Every method opens and closes its own connection."""
 
@@ -69,17 +73,22 @@ class Catalog:
 
     @contextmanager
     def connect(self, write: bool = True) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A short-lived connection; commits on success. Use for ad-hoc catalog queries."""
+        """A short-lived connection; commits on success. Use for ad-hoc catalog queries.
+
+        One connection at a time per process: an asynchronous run's generation thread and its training
+        thread both record stages, and DuckDB refuses a read-only and a read-write connection to one file
+        open together in a process (and two snapshot writes of one table would race)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        con = duckdb.connect(str(self.path), read_only=not write)
-        try:
-            if write and not self._initialised:
-                for table, columns in DDL.items():
-                    con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
-                self._initialised = True
-            yield con
-        finally:
-            con.close()
+        with _CONNECTION_LOCK:
+            con = duckdb.connect(str(self.path), read_only=not write)
+            try:
+                if write and not self._initialised:
+                    for table, columns in DDL.items():
+                        con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
+                    self._initialised = True
+                yield con
+            finally:
+                con.close()
 
     def _write(self, tables: list[str], statements: list[tuple[str, list[Any]]]) -> None:
         with self.connect() as con:

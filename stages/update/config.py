@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.common import Added, Operational
+from stages.update.correction import Correction
 from stages.policy.lora import LoRASettings
 
 
@@ -34,6 +35,9 @@ class GRPOConfig(BaseModel):
     # Data-parallel workers (Ray Train DDP, stages/update/workers.py); the update equals one worker's
     # up to float summation order, so it is not part of the checkpoint id.
     workers: int = Operational(1, ge=1)
+    # A resident vLLM engine sleeps during the update, giving its GPU memory to training. An asynchronous run
+    # (max_staleness > 0) keeps it generating beside the trainer, so flows/pipeline.py turns this off there.
+    sleep_generation: bool = Operational(True)
     # Groups whose rewards all agree have advantage 0: skipping them saves their forward/backward and
     # leaves them out of the token mean. False trains on every completion (TRL's behaviour, whose token
     # mean counts their tokens too): the same gradient direction, scaled down by the zero-signal share.
@@ -54,4 +58,11 @@ class GRPOConfig(BaseModel):
     ratio_cap: float | None = 3.0  # dual-clip c=3 (arXiv 1912.09729): bounds the loss on stale/mismatched logprobs
     beta: float = 0.0  # no KL to the base (DAPO, Dr. GRPO); > 0 costs one more forward pass per step
     aggregation: Literal["token_mean", "seq_mean", "dr_grpo"] = "token_mean"  # DAPO's token-level mean
+    # The surrogate (stages/update/loss.py SURROGATES): PPO's per-token clip (today's), GSPO's sequence-level
+    # ratio (arXiv 2507.18071; pair with seq_mean and a narrow eps) or CISPO's clipped stop-gradient IS weight
+    # (arXiv 2506.13585; every token keeps its gradient; pair with a wide eps_high). eps_* and ratio_cap apply to each.
+    loss_mode: Literal["ppo_clip", "gspo", "cispo"] = Added("ppo_clip")
+    # Off-policy correction from the behaviour log-probs (stages/update/correction.py): TIS cap, MIS and
+    # icepop ranges. Off by default (today's ratio to the behaviour policy); turn TIS on for async runs.
+    correction: Correction = Added(Correction())
     lora: LoRASettings = Field(default_factory=LoRASettings)  # used only when the parent has no adapter

@@ -121,3 +121,12 @@ def informative_groups(ws: Workspace, batches: list[str], reward: RewardRef) -> 
             values.setdefault(r["group_id"], set()).add(r["value"])
     return sum(len(v) > 1 for v in values.values())
 
+
+
+def staleness(ws: Workspace, parent_policy: str, batches: list[str]) -> int:
+    """How many updates the policy being trained (`parent_policy`) is ahead of the oldest policy that
+    generated `batches` (0: on-policy, as in a synchronous run): parent step - generating policy's step."""
+    parent_step = ws.catalog.get_checkpoint(parent_policy)["step"]
+    generators = {ws.catalog.get_artifact(b)["meta"].get("policy_id") for b in batches}
+    steps = [ws.catalog.get_checkpoint(p)["step"] for p in generators if p and ws.catalog.get_checkpoint(p)]
+    return max((parent_step - s for s in steps), default=0)

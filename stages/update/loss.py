@@ -15,6 +15,7 @@ from torch import Tensor
 Scale = Literal["group", "batch", "none"]
 Baseline = Literal["mean", "rloo", "batch"]
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
+LossMode = Literal["ppo_clip", "gspo", "cispo"]
 
 
 def _group_index(group_ids: Tensor | Sequence[Hashable]) -> Tensor:
@@ -105,6 +106,43 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return log_ratio.exp() - log_ratio - 1
 
 
+# Per-token surrogates: each takes (logp, log_ratio, mask, adv) with logp, log_ratio, mask: (B, T) (zero at
+# masked positions) and adv: (B, 1), and returns (per-token loss (B, T), the ratio the clip saw (B, T)).
+def ppo_clip(logp: Tensor, log_ratio: Tensor, mask: Tensor, adv: Tensor, *, eps_low: float, eps_high: float,
+             ratio_cap: float | None) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate, https://arxiv.org/abs/1707.06347: -min(r A, clip(r, 1-eps_low, 1+eps_high) A),
+    with r capped at ratio_cap (dual-clip, https://arxiv.org/abs/1912.09729)."""
+    ratio = log_ratio.exp()
+    if ratio_cap is not None:
+        ratio = ratio.clamp(max=ratio_cap)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -torch.min(ratio * adv, clipped * adv), ratio
+
+
+def gspo(logp: Tensor, log_ratio: Tensor, mask: Tensor, adv: Tensor, *, eps_low: float, eps_high: float,
+         ratio_cap: float | None) -> tuple[Tensor, Tensor]:
+    """GSPO, https://arxiv.org/abs/2507.18071: the clip acts on the sequence ratio s = exp(mean_t log r_t),
+    the same for every token of a sequence. Written in the paper's GSPO-token form (eq. 13),
+    s_t = sg(s) * pi(y_t) / sg(pi(y_t)): its value is s and d s_t / d logp_t = s, so with seq_mean
+    aggregation the gradient is exactly GSPO's (1/|y|) s A sum_t grad logp_t, and a clipped sequence trains
+    nothing. The paper's clip range is far narrower than PPO's (eps ~ 3e-4 / 4e-4)."""
+    seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    return ppo_clip(logp, seq.detach() + logp - logp.detach(), mask, adv, eps_low=eps_low, eps_high=eps_high,
+                    ratio_cap=ratio_cap)
+
+
+def cispo(logp: Tensor, log_ratio: Tensor, mask: Tensor, adv: Tensor, *, eps_low: float, eps_high: float,
+          ratio_cap: float | None) -> tuple[Tensor, Tensor]:
+    """CISPO, https://arxiv.org/abs/2506.13585 (MiniMax-M1, eq. 4): -sg(clip(r, 1-eps_low, 1+eps_high)) A logp.
+    The IS weight is clipped and stop-gradient, so every token keeps a gradient (PPO's clip drops it);
+    ratio_cap has nothing left to bound. MiniMax sets no lower bound and a wide upper one (eps_high)."""
+    weight = log_ratio.exp().clamp(1 - eps_low, 1 + eps_high).detach()
+    return -weight * adv * logp, log_ratio.exp()
+
+
+SURROGATES: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
+
+
 def policy_loss(
     logp: Tensor,
     behavior_logp: Tensor,
@@ -118,14 +156,20 @@ def policy_loss(
     beta: float = 0.0,
     aggregation: Aggregation = "token_mean",
     max_tokens: int | None = None,
+    loss_mode: LossMode = "ppo_clip",
+    old_logp: Tensor | None = None,
+    token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped GRPO surrogate (PPO clip, https://arxiv.org/abs/1707.06347) plus beta * k3 KL.
+    """The GRPO objective: a surrogate (`loss_mode`: `ppo_clip`, `gspo` or `cispo`, see `SURROGATES`) plus beta * k3 KL.
 
     logp, behavior_logp, ref_logp, mask: (B, T); advantages: (B,). eps_high > eps_low is
     DAPO's clip-higher. ratio_cap truncates the ratio from above; with ratio_cap > 1 + eps_high
     that is dual-clip (https://arxiv.org/abs/1912.09729): a negative-advantage token's loss is
     bounded by ratio_cap * |A| and stops pushing. max_tokens is dr_grpo's constant normaliser
-    (the generation budget; defaults to T). Masked positions never contribute, whatever they
+    (the generation budget; defaults to T). Off-policy correction (stages/update/correction.py): with
+    old_logp (B, T) the ratio is taken against it instead of behavior_logp, and token_weight (B, T), the
+    truncated/masked IS weight old / behaviour, multiplies each token's surrogate (decoupled PPO, not the
+    KL term). Masked positions never contribute, whatever they
     hold (inf/NaN included). Returns (scalar loss, stats as python floats).
     """
     if beta > 0 and ref_logp is None:
@@ -137,11 +181,11 @@ def policy_loss(
     behavior_logp = torch.where(mask, behavior_logp.to(logp.dtype), zero)
     adv = advantages.to(logp.dtype)[:, None]  # (B, 1)
 
-    ratio = (logp - behavior_logp).exp()  # (B, T)
-    if ratio_cap is not None:
-        ratio = ratio.clamp(max=ratio_cap)
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    anchor = behavior_logp if old_logp is None else torch.where(mask, old_logp.detach().to(logp.dtype), zero)
+    per_token, ratio = SURROGATES[loss_mode](logp, logp - anchor, mask, adv, eps_low=eps_low,
+                                            eps_high=eps_high, ratio_cap=ratio_cap)  # (B, T) each
+    if token_weight is not None:
+        per_token = per_token * torch.where(mask, token_weight.detach().to(logp.dtype), zero)
     kl = k3_kl(logp, torch.where(mask, ref_logp.to(logp.dtype), zero)) if ref_logp is not None else None
     if kl is not None and beta > 0:
         per_token = per_token + beta * kl

@@ -34,6 +34,8 @@ class _MicroBatch:
     ref_logp: torch.Tensor | None = None  # (b, T), only when beta > 0
     # (P,) a prompt every row continues; the rows then hold only what follows it (`shared_prefix_logprobs`)
     prefix: torch.Tensor | None = None
+    # (b, T) the log-probs at the start of the step ("old"), kept from the first epoch's forward pass (no extra one)
+    old_logp: torch.Tensor | None = None
 
     def logprobs(self, model: Any, temperature: float) -> torch.Tensor:
         """Per-token log-probs (b, T) of the rows at the scored positions (0 elsewhere)."""
@@ -124,6 +126,10 @@ def _micro_batches(samples: list[Sample], size: int, device: Any, max_tokens: in
     return out
 
 
+# Per-token stats of the loss, averaged over the batch's scored tokens (stages.update.workers averages the shards').
+LOSS_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "is_weight_mean", "is_masked_frac")
+
+
 def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.Tensor,
                    config: GRPOConfig, temperature: float) -> list[dict[str, float]]:
     """`config.epochs` optimizer steps of the GRPO loss on one batch (advantages: (N,), one per
@@ -135,6 +141,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
     import torch
 
     from stages.policy.logprobs import set_activation_checkpointing
+    from stages.update.correction import is_weights
     from stages.update.loss import policy_loss
 
     if not samples:
@@ -162,20 +169,26 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
     for _ in range(config.epochs):
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean"], 0.0)
+        sums = dict.fromkeys(LOSS_STATS, 0.0) | {"loss": 0.0}
         for b in batches:
             _release_free_memory()
             logp = b.logprobs(model, temperature)  # (b, T)
+            if b.old_logp is None:  # the first pass runs the weights the step started from
+                b.old_logp = logp.detach()
+            weight, is_stats = is_weights(b.old_logp, b.behavior_logp, b.mask, config.correction)
+            corrected = config.correction.enabled
             loss, stats = policy_loss(logp, b.behavior_logp, advantages[b.index.to(device)], b.mask,
                                       eps_low=config.eps_low, eps_high=config.eps_high, ratio_cap=config.ratio_cap,
                                       ref_logp=b.ref_logp, beta=config.beta, aggregation=config.aggregation,
-                                      max_tokens=max_tokens)
+                                      max_tokens=max_tokens, loss_mode=config.loss_mode,
+                                      old_logp=b.old_logp if corrected else None, token_weight=weight if corrected else None)
+            stats |= is_stats
             # Scale each micro-batch's mean so the accumulated sum is the mean over the whole batch.
             n = stats["num_tokens"]
             weight = n / total_tokens if config.aggregation == "token_mean" else len(b.index) / len(samples)
             (loss * weight).backward()
             sums["loss"] += float(loss.detach()) * weight
-            for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean"):
+            for k in LOSS_STATS:
                 sums[k] += stats[k] * n / total_tokens  # token-weighted, like the stats themselves
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
         optimizer.step()

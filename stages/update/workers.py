@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from stages.common import StageContext
 
-TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl")  # token-weighted means in train_on_batch
+TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "is_weight_mean", "is_masked_frac")  # token-weighted means in train_on_batch
 
 
 def train(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.Tensor, config: GRPOConfig, *,
@@ -44,7 +44,8 @@ def train(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.T
     from stages.policy.vllm import engines_asleep
 
     workers = min(config.workers, len(samples))  # every worker needs at least one sample
-    with engines_asleep():  # a resident vLLM engine gives its GPU memory to training meanwhile
+    # a resident vLLM engine gives its GPU memory to training meanwhile, unless it generates ahead (async run)
+    with engines_asleep() if config.sleep_generation else nullcontext():
         if workers <= 1:
             with _autocast(next(model.parameters()).device):
                 return train_on_batch(model, optimizer, samples, advantages, config, temperature)
