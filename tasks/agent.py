@@ -7,20 +7,30 @@
         # or: url: http://127.0.0.1:8300/rollout            # an agent service, any process or language
         prompts: examples/doc_search_openai/prompts.jsonl
 
-The entry is a plain coroutine function, with no rlops import needed:
+The entry takes one of two forms, with no rlops import needed:
 
     async def rollout(client: openai.AsyncOpenAI, model: str, prompt: str) -> dict | list | None
+    async def rollout(endpoint: Endpoint, prompt: str) -> ...     # or a plain `def` (run in a thread)
+
+The second form is chosen by the first parameter's name `endpoint` or its annotation `Endpoint`: an
+`Endpoint` holds what a framework that builds its own client needs (`base_url`, the episode's own
+`/ep/{episode_id}/v1` URL, so a bare base URL suffices; `api_key`; `headers` with X-Episode-Id;
+`model`; `episode_id`) and makes openai clients (`async_client()`, `sync_client()`). A `def` entry
+(smolagents, a sync LangChain agent) runs in a thread of its own per episode, under the same timeout
+(an overrunning thread cannot be stopped: it is abandoned, its later calls refused once the shard ends).
 
 The rollout stage serves the policy being trained (stages/service/service.py, on 127.0.0.1) and calls it G
 times per prompt, concurrently, with a client whose every request is recorded under that episode;
 the agent must pass `model` on as the request's `model`. Its result may be
-  - a dict with `messages` (the final conversation, OpenAI message dicts or the client's message
-    objects) and/or `metadata` (a dict of fields for the rewards, added to the prompt's metadata),
-  - a list (the final conversation), or
+  - a dict with `messages` (the final conversation: OpenAI message dicts, the client's message
+    objects, or a framework's own history, see tasks/histories.py) and/or `metadata` (a dict of
+    fields for the rewards, added to the prompt's metadata),
+  - a list (the final conversation), a framework's result object (an Agents SDK RunResult), or
   - None: the service's record of the episode's last call is the conversation.
 An agent that raises or times out becomes an error row (finish_reason "error", no tokens, the
-error in metadata["error"]); the stage fails only when more than `max_error_frac` of a shard's
-episodes are errors.
+error in metadata["error"]), and so does an episode with no call recorded under it (the reason
+says what the service saw instead: requests without an episode id, unknown model names); the stage
+fails only when more than `max_error_frac` of a shard's episodes are errors.
 
 An agent service (`url`) is the same contract over HTTP (stages/service/external.py): for each episode
 the rollout stage POSTs {"prompt_id", "prompt", "base_url", "model", "episode_id"} (JSON) and takes back
@@ -44,14 +54,76 @@ import importlib.util
 import inspect
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from storage.settings import no_telemetry
 from tasks.base import AgentSpec, Prompt, Task
+
+EPISODE_HEADER = "X-Episode-Id"  # the header the policy service files a call under (stages/service/app.py)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one episode's agent reaches the policy being trained: any OpenAI-compatible client works
+    with `base_url` + `api_key` (+ `headers`, redundant with the episode URL but harmless) + `model`."""
+
+    base_url: str  # http://127.0.0.1:PORT/ep/{episode_id}/v1: the URL alone files every call under the episode
+    model: str  # the policy's name: every request's `model`
+    episode_id: str
+    api_key: str = "rlops-local"  # unchecked; clients insist on one
+    headers: dict[str, str] = field(default_factory=dict)  # {"X-Episode-Id": episode_id}
+    timeout: float = 600.0  # the episode's timeout, a sensible client timeout too
+
+    def async_client(self, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` on the endpoint (no retries: a refused call is the agent's to see)."""
+        import openai
+
+        return openai.AsyncOpenAI(**self._client_args(kwargs))
+
+    def sync_client(self, **kwargs: Any) -> Any:
+        """An `openai.OpenAI` on the endpoint."""
+        import openai
+
+        return openai.OpenAI(**self._client_args(kwargs))
+
+    def _client_args(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {"base_url": self.base_url, "api_key": self.api_key, "default_headers": dict(self.headers),
+                "max_retries": 0, "timeout": self.timeout, **kwargs}
+
+
+def entry_form(fn: Any, entry: str) -> str:
+    """"client" for `async def f(client, model, prompt)`, "endpoint" for `[async] def f(endpoint: Endpoint,
+    prompt)`; any other signature is a ValueError saying what fits, raised when the task is built."""
+    name = getattr(fn, "__name__", "rollout")
+    forms = (f"`async def {name}(client, model, prompt)` or `[async] def {name}(endpoint: Endpoint, prompt)`")
+    if not callable(fn) or inspect.isclass(fn):
+        raise ValueError(f"{entry!r} must name a function: {forms}")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{entry!r}: cannot read its signature ({e}); it must be {forms}") from e
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    first = positional[0] if positional else None
+    annotation = getattr(first, "annotation", None)
+    endpoint = first is not None and (first.name == "endpoint" or annotation is Endpoint
+                                      or (isinstance(annotation, str) and annotation.split(".")[-1] == "Endpoint"))
+    if endpoint and len(positional) >= 2 and len(required) <= 2:
+        return "endpoint"
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{entry!r} must be {forms}; a plain `def` entry takes the endpoint form")
+    if len(positional) >= 3 and len(required) <= 3 and not endpoint:
+        return "client"
+    raise ValueError(f"{entry!r} has the signature {name}{inspect.signature(fn)}; it must be {forms}")
 
 
 def load_entry(entry: str) -> tuple[Callable[..., Any], Path]:
-    """The coroutine function named by "package.module:fn" or "path/to/file.py:fn", and its source file."""
+    """The entry function named by "package.module:fn" or "path/to/file.py:fn", and its source file;
+    its signature is checked (`entry_form`). The libraries' phoning home is switched off before the
+    agent's module (and the frameworks it imports) loads."""
+    no_telemetry()
     target, sep, name = entry.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(f"entry must look like 'package.module:function' or 'file.py:function', got {entry!r}")
@@ -71,8 +143,10 @@ def load_entry(entry: str) -> tuple[Callable[..., Any], Path]:
             raise ValueError(f"cannot import the agent module {target!r}: {e}") from e
         path = Path(module.__file__)
     fn = getattr(module, name, None)
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"{entry!r} must name an `async def {name}(client, model, prompt)` function")
+    if fn is None:
+        raise ValueError(f"{entry!r}: the module has no {name!r}; it must define `async def {name}(client, model, "
+                         f"prompt)` or `[async] def {name}(endpoint: Endpoint, prompt)`")
+    entry_form(fn, entry)
     return fn, path
 
 
@@ -121,9 +195,10 @@ def make_task(prompts: str, entry: str | None = None, url: str | None = None, ve
         if version is not None:
             raise ValueError("task.params.version is for an agent service (url); an entry's version is its source's hash")
         fn, source = load_entry(entry)
+        form = entry_form(fn, entry)
         agent_code = source.read_bytes()
     else:
-        fn, entry = None, ""
+        fn, entry, form = None, "", "client"
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"task.params.url: an http(s) URL of the agent service's rollout endpoint, got {url!r}")
         agent_code = b"service:" + (version if version is not None else service_version(url)).encode()
@@ -133,7 +208,7 @@ def make_task(prompts: str, entry: str | None = None, url: str | None = None, ve
         return list(splits.get(split, []))
 
     return Task(name=name, system_prompt="", prompts=by_split,
-                agent=AgentSpec(entry, fn, version_hash, max_error_frac, episode_timeout, url=url))
+                agent=AgentSpec(entry, fn, version_hash, max_error_frac, episode_timeout, url=url, form=form))
 
 
 def version_url(url: str) -> str:

@@ -51,6 +51,7 @@ class AgentSpec:
     max_error_frac: float
     episode_timeout: float  # seconds per episode
     url: str | None = None  # an agent service (another process or language) that runs each episode on POST
+    form: str = "client"  # fn(client, model, prompt), or "endpoint": fn(Endpoint, prompt), sync or async (tasks/agent.py)
 
 
 @dataclass

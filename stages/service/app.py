@@ -30,8 +30,7 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 from stages.service.responses import ResponsesAPI
 from stages.service.schemas import ChatRequest, CompletionRequest, ResponsesRequest, UnsupportedField, error_body
 from stages.service.service import PolicyService, ServiceError
-
-EPISODE_HEADER = "X-Episode-Id"
+from tasks.agent import EPISODE_HEADER  # its one home is the agent contract (external.py imports it from here)
 
 
 def build_app(service: PolicyService) -> Any:
@@ -47,7 +46,10 @@ def build_app(service: PolicyService) -> Any:
     def episode_of(request: Request, user: str | None) -> str | None:
         """/ep/{id}/v1/... names the episode in the URL (for a framework that builds its own client from
         a bare base_url); else the X-Episode-Id header; else the request's `user`."""
-        return request.path_params.get("episode_id") or request.headers.get(EPISODE_HEADER) or user
+        episode = request.path_params.get("episode_id") or request.headers.get(EPISODE_HEADER) or user
+        if not episode:
+            service.recorder.count_unrecorded()  # served, but no episode will hold it (rollout: why_empty)
+        return episode
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -3,7 +3,8 @@
 For one shard of groups: serve the policy (on 127.0.0.1 and a free port unless the rollout config's
 `serve_host`/`serve_port` say otherwise) with the run's sampling forced, run every episode of the
 shard concurrently through the user's `rollout(client, model, prompt)` with a real
-`openai.AsyncOpenAI` client whose requests carry the episode id, or by POSTing it to the agent
+`openai.AsyncOpenAI` client whose requests carry the episode id (or `rollout(endpoint, prompt)` with
+the episode's `tasks.agent.Endpoint`; a sync one in a thread per episode), or by POSTing it to the agent
 service of a `url` task (tasks/agent.py, told the `advertise_url`), then turn
 each episode's recorded calls into one rollout row (stages/service/recorder.py: one segment when every
 prompt extended the last, several otherwise). Concurrent episodes share generate calls: the
@@ -17,6 +18,7 @@ bit-for-bit repeatable the way the built-in loop's is.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,7 +33,9 @@ from stages.service.resolve import fixed_resolver
 from stages.service.schemas import ChatMessage
 from stages.service.service import PolicyService, ServiceConfig
 from storage.schema import Message, Rollout, to_table
+from tasks.agent import Endpoint
 from tasks.base import AgentSpec, Prompt
+from tasks.histories import framework_of, is_framework_history, to_chat_messages
 
 # The longest a queued request waits for the other running episodes' requests: tools are usually
 # milliseconds, a CPU generate call seconds.
@@ -72,6 +76,8 @@ def run_agent_shard(policy: ResidentPolicy, agent: AgentSpec, *, policy_id: str,
     for (rollout_id, prompt), (result, error, seconds) in zip(episodes, outcomes):
         gi, s = (int(x[1:]) for x in rollout_id.rsplit("-", 2)[1:])
         log = service.recorder.pop(rollout_id) or EpisodeLog()
+        if error is None and not log.calls:  # an episode with nothing recorded is never an empty 'answer'
+            error = service.recorder.why_empty(policy_id)
         try:
             fields = _fields(log, prompt, result, error)
         except (TypeError, ValueError) as e:  # the agent returned something unusable: an error row too
@@ -97,14 +103,20 @@ class _Running:
 
 async def _run_all(url: str, model: str, agent: AgentSpec, episodes: list[tuple[str, Prompt]],
                    running: _Running) -> list[tuple[Any, str | None, float]]:
-    async def counted(eid: str, p: Prompt, http: Any = None) -> tuple[Any, str | None, float]:
+    async def counted(eid: str, p: Prompt, http: Any = None, threads: Any = None) -> tuple[Any, str | None, float]:
         try:
-            return await _one(url, model, agent, eid, p, http)
+            return await _one(url, model, agent, eid, p, http, threads)
         finally:
             running.count -= 1  # on the event loop thread only; the batcher just reads it
 
     if agent.url is None:
-        return await asyncio.gather(*(counted(eid, p) for eid, p in episodes))
+        # Not the loop's default executor (a handful of threads, joined when the loop closes): every
+        # episode runs at once, and a sync agent overrunning its timeout is abandoned, not waited for.
+        threads = ThreadPoolExecutor(max(len(episodes), 1), thread_name_prefix="rlops-agent")
+        try:
+            return await asyncio.gather(*(counted(eid, p, threads=threads) for eid, p in episodes))
+        finally:
+            threads.shutdown(wait=False, cancel_futures=True)
     import httpx
 
     # One connection per concurrent episode: the service may hold every one for a whole episode.
@@ -148,17 +160,26 @@ async def _post(url: str, model: str, agent: AgentSpec, episode_id: str, prompt:
 
 
 async def _one(url: str, model: str, agent: AgentSpec, episode_id: str, prompt: Prompt,
-               http: Any = None) -> tuple[Any, str | None, float]:
-    """(result, error text or None, seconds) of one episode; the agent's exceptions are data."""
+               http: Any = None, threads: ThreadPoolExecutor | None = None) -> tuple[Any, str | None, float]:
+    """(result, error text or None, seconds) of one episode; the agent's exceptions are data. A sync
+    endpoint entry runs in `threads` (one thread per episode)."""
     if agent.url is not None:
         return await _post(url, model, agent, episode_id, prompt, http)
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="rlops-local", max_retries=0,
                                 default_headers={EPISODE_HEADER: episode_id}, timeout=agent.episode_timeout)
+    endpoint = Endpoint(base_url=f"{url}/ep/{episode_id}/v1", model=model, episode_id=episode_id,
+                        headers={EPISODE_HEADER: episode_id}, timeout=agent.episode_timeout)
     start = time.monotonic()
     try:
-        result = await asyncio.wait_for(agent.fn(client, model, prompt.question), agent.episode_timeout)
+        if agent.form == "client":
+            running = agent.fn(client, model, prompt.question)
+        elif inspect.iscoroutinefunction(agent.fn):
+            running = agent.fn(endpoint, prompt.question)
+        else:
+            running = asyncio.get_running_loop().run_in_executor(threads, agent.fn, endpoint, prompt.question)
+        result = await asyncio.wait_for(running, agent.episode_timeout)
         return result, None, time.monotonic() - start
     except asyncio.TimeoutError:
         return None, f"TimeoutError: the episode ran over {agent.episode_timeout:g} s", time.monotonic() - start
@@ -179,11 +200,14 @@ def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None) -> 
                     num_turns=t.num_turns, num_tool_calls=_tool_messages(t.messages), finish_reason="error",
                     truncated=False, metadata={**prompt.metadata, "error": error})
     extra: dict[str, Any] = {}
-    messages = t.messages
+    messages, note = t.messages, None
+    if result is not None and not isinstance(result, (list, dict)) and framework_of(result) is not None:
+        result = {"messages": result}  # a framework's result object (an Agents SDK RunResult, a smolagents agent)
     if isinstance(result, list):
-        messages = _messages(result, log)
+        messages, note = _returned(result, log, t.messages)
     elif isinstance(result, dict):
-        messages = _messages(result["messages"], log) if "messages" in result else messages
+        if result.get("messages") is not None:
+            messages, note = _returned(result["messages"], log, t.messages)
         extra = result.get("metadata") or {}
         if not isinstance(extra, dict):
             raise TypeError("the result's 'metadata' must be a dict")
@@ -191,7 +215,10 @@ def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None) -> 
         if clash:
             raise ValueError(f"the result's metadata would overwrite the prompt's ground truth fields {clash}")
     elif result is not None:
-        raise TypeError(f"rollout returned a {type(result).__name__}; expected a dict, a list of messages or None")
+        raise TypeError(f"rollout returned a {type(result).__name__}; expected a dict, a list of messages, a framework's "
+                        "result object or None")
+    if note is not None:
+        extra = {**extra, "messages_note": note}
     last = next((m for m in reversed(messages) if m.role == "assistant"), None)
     return dict(messages=messages, token_ids=t.token_ids, loss_mask=t.loss_mask, behavior_logprobs=t.behavior_logprobs,
                 segment_starts=t.segment_starts, num_turns=t.num_turns, num_tool_calls=_tool_messages(messages),
@@ -203,6 +230,22 @@ def _constrained(t: Any) -> dict[str, Any]:
     """`served_constraints` (per call, the constraint its turn was sampled under, null when free) when any call
     was constrained: those turns' behaviour log-probs are the masked distribution's (README, service)."""
     return {"served_constraints": t.constraints} if any(t.constraints) else {}
+
+
+def _returned(raw: Any, log: EpisodeLog, recorded: list[Message]) -> tuple[list[Message], str | None]:
+    """The agent's returned conversation (chat dicts, message objects or a framework's history, see
+    tasks/histories.py) as records, and None; or, when it cannot be read, the recorded conversation and
+    a note saying why (the episode's tokens stand either way, so it is no error row). A framework keeps
+    its system prompt outside its history (LangGraph, the Agents SDK): the recorded one is put back."""
+    try:
+        messages = _messages(to_chat_messages(raw), log)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # Unconvertible and schema errors are ValueErrors
+        return recorded, f"the returned messages could not be stored ({type(e).__name__}: {str(e)[:500]}); " \
+                         "the recorded conversation stands"
+    if is_framework_history(raw) and recorded and recorded[0].role == "system" and \
+            (not messages or messages[0].role != "system"):
+        messages = [recorded[0]] + messages
+    return messages, None
 
 
 def _messages(raw: list[Any], log: EpisodeLog) -> list[Message]:

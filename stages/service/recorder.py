@@ -113,6 +113,32 @@ class Recorder:
         self.max_episodes = max_episodes
         self._episodes: OrderedDict[str, EpisodeLog] = OrderedDict()
         self._lock = threading.Lock()
+        # Requests that generated but could not be filed under an episode: why an episode recorded
+        # nothing (`why_empty`). Counted over the recorder's life, i.e. one rollout shard.
+        self.without_episode = 0
+        self.unknown_models: dict[str, int] = {}
+
+    def count_unrecorded(self, *, unknown_model: str | None = None) -> None:
+        """Count a request that came without an episode id, or (`unknown_model`) named no served model."""
+        with self._lock:
+            if unknown_model is None:
+                self.without_episode += 1
+            else:
+                self.unknown_models[unknown_model] = self.unknown_models.get(unknown_model, 0) + 1
+
+    def why_empty(self, served: str) -> str:
+        """Why an episode has no recorded call, as precisely as this shard's stray requests tell:
+        the error text of its row (an empty episode is never an 'answer')."""
+        reasons = []
+        if self.without_episode:
+            reasons.append(f"{self.without_episode} request(s) came without an episode id (send the X-Episode-Id "
+                           "header, or use the /ep/{episode_id}/v1 base URL the agent is given)")
+        for name, n in sorted(self.unknown_models.items()):
+            reasons.append(f"{n} request(s) named an unknown model {name!r} (this rollout serves {served!r}: pass "
+                           "the `model` the agent is given)")
+        why = "; during this shard " + "; ".join(reasons) if reasons else \
+            "; no request of this shard came without an episode id or named an unknown model (did the agent call the model?)"
+        return "the agent made no call recorded under this episode" + why
 
     def get(self, episode_id: str) -> EpisodeLog:
         with self._lock:

@@ -138,6 +138,7 @@ class PolicyService:
         try:
             policy_id, adapter_dir = self.resolve(model)
         except KeyError as e:
+            self.recorder.count_unrecorded(unknown_model=model)
             raise ServiceError(404, e.args[0] if e.args else f"unknown model {model!r}", "model_not_found") from None
         job = _Job(policy_id, adapter_dir, prompts, sampling, seed, options, on_step=on_step)
         self._queue.put(job)

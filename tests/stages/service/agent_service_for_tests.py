@@ -5,6 +5,7 @@ protocol of tasks/agent.py over Python's own http.server, with the scripted agen
 
 POST /rollout {prompt_id, prompt, base_url, model, episode_id}: by the prompt text,
   "fail" -> HTTP 500, "garbage" -> a reply that is not JSON, "slow" -> sleeps 600 s, "list" -> a JSON list,
+  "noheader" / "wrongmodel" -> one call without the episode header / naming model "gpt-4o", then {metadata},
   anything else -> the scripted episode (search, the scripted result, answer) with the episode header,
   answered with {messages, metadata: {completion_tokens, base_url}}.
 GET /version -> "py-agent-1".
@@ -24,6 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import openai  # noqa: E402
 
 from tests.scripted_model import QUESTION, SYSTEM, TOOL_RESULT, TOOLS  # noqa: E402
+
+
+def astray(body: dict) -> dict:
+    """A call never recorded under the episode: no episode header ("noheader") or an unknown model."""
+    headers = {} if body["prompt"] == "noheader" else {"X-Episode-Id": body["episode_id"]}
+    client = openai.OpenAI(base_url=body["base_url"], api_key="unused", max_retries=0, default_headers=headers)
+    model = body["model"] if body["prompt"] == "noheader" else "gpt-4o"
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    except openai.NotFoundError:
+        pass
+    return {"metadata": {"astray": body["prompt"]}}
 
 
 def episode(body: dict) -> dict:
@@ -64,6 +77,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, "<html>not json</html>", "text/html")
         if prompt == "list":
             return self._send(200, json.dumps([1, 2]))
+        if prompt in ("noheader", "wrongmodel"):
+            return self._send(200, json.dumps(astray(body)))
         if prompt == "slow":
             time.sleep(600)
         return self._send(200, json.dumps(episode(body)))

@@ -9,6 +9,7 @@ import openai
 
 from rewards.base import reward
 from storage.schema import Rollout
+from tasks.agent import Endpoint
 from tests.scripted_model import QUESTION, SYSTEM, TOOL_RESULT, TOOLS
 
 
@@ -42,6 +43,50 @@ async def flaky(client: openai.AsyncOpenAI, model: str, prompt: str) -> dict[str
     if "fail" in prompt:
         raise RuntimeError(f"the agent's own bug on {prompt!r}")
     return {"messages": [{"role": "user", "content": prompt}, response.choices[0].message]}
+
+
+async def astray(client: openai.AsyncOpenAI, model: str, prompt: str) -> dict[str, Any]:
+    """Calls the model but never under its episode: by the prompt, with a client of its own built without
+    the episode header ("own client"), or naming a model the rollout does not serve ("wrong model",
+    the error swallowed as a careless agent does). Neither may become an empty 'answer'."""
+    messages = [{"role": "user", "content": prompt}]
+    if prompt == "own client":
+        async with openai.AsyncOpenAI(base_url=str(client.base_url), api_key="x", max_retries=0) as own:
+            response = await own.chat.completions.create(model=model, messages=messages, max_tokens=4)
+        return {"messages": messages + [response.choices[0].message]}
+    try:
+        await client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=4)
+    except openai.NotFoundError:
+        pass
+    return {"messages": messages}
+
+
+async def endpoint_async(endpoint: Endpoint, prompt: str) -> dict[str, Any]:
+    """The endpoint form: one call through the Endpoint's own client, its completion tokens reported."""
+    messages = [{"role": "user", "content": prompt}]
+    async with endpoint.async_client() as client:
+        response = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=6)
+    return {"messages": messages + [response.choices[0].message],
+            "metadata": {"completion_tokens": response.usage.completion_tokens}}
+
+
+def endpoint_sync(endpoint, prompt):  # noqa: ANN001, ANN201 - no annotation, no rlops import: found by its name
+    """A sync entry (as smolagents agents are) given only the bare episode URL: two calls, no header."""
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key="anything", max_retries=0)
+    messages, tokens = [{"role": "user", "content": prompt}], 0
+    for _ in range(2):
+        response = client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=5)
+        tokens += response.usage.completion_tokens
+        messages += [response.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    return {"messages": messages[:-1], "metadata": {"completion_tokens": tokens}}
+
+
+async def two_params(client: openai.AsyncOpenAI, prompt: str) -> None:
+    """Neither form: refused when the task is built."""
+
+
+async def endpoint_three(endpoint: Endpoint, prompt: str, extra: str) -> None:
+    """The endpoint form with a third required parameter: refused."""
 
 
 def not_async(client: Any, model: str, prompt: str) -> None:

@@ -105,6 +105,16 @@ def test_service_failures_are_error_rows_with_their_reason(tmp_path, tiny_model_
     assert errors["p3"] == "TimeoutError: the agent service ran over 3 s"
 
 
+def test_service_episodes_with_no_recorded_call_say_why(tmp_path, tiny_model_dir, service_url):
+    rows = _run(tmp_path, tiny_model_dir, service_url, ["noheader", "wrongmodel"], {"max_new_tokens": 4},
+                max_error_frac=1.0)
+    assert len(rows) == 4 and all(r.finish_reason == "error" and r.token_ids == [] for r in rows)
+    for r in rows:
+        assert r.metadata["error"].startswith("the agent made no call recorded under this episode; during this shard "
+                                              "2 request(s) came without an episode id")
+        assert "2 request(s) named an unknown model 'gpt-4o'" in r.metadata["error"]
+
+
 def test_past_max_error_frac_the_stage_fails(tmp_path, tiny_model_dir, service_url):
     with pytest.raises(RuntimeError, match="2 of 2 agent episodes failed"):
         _run(tmp_path, tiny_model_dir, service_url, ["fail"], {"max_new_tokens": 4})

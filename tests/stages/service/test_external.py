@@ -80,10 +80,37 @@ def test_agent_errors_are_rows_and_too_many_fail_the_stage(tmp_path, tiny_model_
     assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]  # nothing half-visible
 
 
+def test_episodes_with_no_recorded_call_are_error_rows_that_say_why(tmp_path, tiny_model_dir):
+    _, rows = _run(tmp_path, tiny_model_dir, "tests.stages.service.agents_for_tests:astray",
+                   ["own client", "wrong model"], max_error_frac=1.0)
+    assert len(rows) == 4 and all(r.finish_reason == "error" and r.token_ids == [] for r in rows)
+    for r in rows:
+        error = r.metadata["error"]
+        assert error.startswith("the agent made no call recorded under this episode; during this shard ")
+        assert "2 request(s) came without an episode id (send the X-Episode-Id header" in error
+        assert "2 request(s) named an unknown model 'gpt-4o' (this rollout serves '" in error
+
+
+@pytest.mark.parametrize("entry", ["endpoint_async", "endpoint_sync"])
+def test_endpoint_entries_sync_or_async_are_recorded(tmp_path, tiny_model_dir, entry):
+    _, rows = _run(tmp_path, tiny_model_dir, f"tests.stages.service.agents_for_tests:{entry}", ["a", "b"])
+    assert len(rows) == 4
+    for r in rows:
+        assert r.finish_reason in ("answer", "max_turns") and r.messages[0].content in ("a", "b")
+        assert sum(r.loss_mask) == r.metadata["completion_tokens"] > 0  # every sampled token, nothing else
+        assert len(r.token_ids) == len(r.loss_mask) == len(r.behavior_logprobs)
+    assert load_task("agent", {"entry": f"tests.stages.service.agents_for_tests:{entry}",
+                               "prompts": str(tmp_path / "p.jsonl")}).agent.form == "endpoint"
+
+
 @pytest.mark.parametrize("params, message", [
     ({"entry": "no_colon", "prompts": "p.jsonl"}, "must look like"),
     ({"entry": "tests.stages.service.agents_for_tests:missing", "prompts": "p.jsonl"}, "async def missing"),
     ({"entry": "tests.stages.service.agents_for_tests:not_async", "prompts": "p.jsonl"}, "async def not_async"),
+    ({"entry": "tests.stages.service.agents_for_tests:two_params", "prompts": "p.jsonl"},
+     r"has the signature two_params\(client.*prompt.*; it must be `async def two_params"),
+    ({"entry": "tests.stages.service.agents_for_tests:endpoint_three", "prompts": "p.jsonl"},
+     r"endpoint_three\(endpoint.*extra.*; it must be"),
     ({"entry": "no.such.module:rollout", "prompts": "p.jsonl"}, "cannot import"),
     ({"entry": "tests.stages.service.agents_for_tests:flaky", "prompts": "missing.jsonl"}, "prompts file not found"),
 ])
