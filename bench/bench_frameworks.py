@@ -99,8 +99,12 @@ def main() -> None:
     rows = []
     with ServerThread(build_app(service)) as url:
         for name in args.frameworks.split(","):
-            task = make_task(prompts=str(example / "prompts.jsonl"), entry=str(REPO / ENTRIES[name]),
-                             episode_timeout=900.0)
+            try:
+                task = make_task(prompts=str(example / "prompts.jsonl"), entry=str(REPO / ENTRIES[name]),
+                                 episode_timeout=900.0)
+            except ModuleNotFoundError as e:
+                print(f"{name}: skipped, its framework is not installed ({e})", flush=True)
+                continue
             requests, extra, prompt_tokens, segments, seconds, errors = [], [], [], [], [], []
             for i, q in enumerate(questions):
                 eid = f"bench-{name}-{i}"

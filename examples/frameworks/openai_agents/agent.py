@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
+from agents import (Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                    Runner, function_tool)
 
 
 def _doc_search() -> Any:
@@ -57,8 +58,11 @@ async def _run(endpoint: Any, prompt: str, model_class: type) -> Any:
                   model=model_class(model=endpoint.model, openai_client=endpoint.async_client()))
     try:
         return await Runner.run(agent, prompt, max_turns=kb.MAX_TURNS)
-    except MaxTurnsExceeded:
-        return None  # out of turns: the service's record of the episode stands
+    except (MaxTurnsExceeded, ModelBehaviorError):
+        # Out of turns, or a turn the SDK refuses (a Responses turn cut at max_new_tokens is "incomplete",
+        # a malformed tool call): what the policy did is still its behaviour, to be scored, so the
+        # service's record of the episode stands rather than an error row.
+        return None
 
 
 async def rollout(endpoint: Any, prompt: str) -> Any:
