@@ -52,7 +52,6 @@ def test_the_langgraph_example_is_recorded_and_its_history_stored(tmp_path, tiny
     assert 0 < sum(row.loss_mask) <= 8 and len(row.token_ids) == len(row.loss_mask) == len(row.behavior_logprobs)
 
 
-@pytest.mark.slow
 def test_the_langgraph_example_trains_one_grpo_step(tmp_path, tiny_model_dir):
     from flows import pipeline
     from flows.run_config import from_dict
