@@ -74,7 +74,6 @@ class Probe:
 
     def install(self) -> None:
         import torch  # noqa: F401 - imported before `base` is read: its own RSS is not a model's
-        import transformers
         from transformers import PreTrainedModel
 
         from stages.policy import kv_cache, logprobs
@@ -88,8 +87,7 @@ class Probe:
             self.models.append({"class": cls.__name__, "param_bytes": params, "rss_added": _rss() - before})
             return model
 
-        PreTrainedModel.from_pretrained = classmethod(from_pretrained)
-        transformers.PreTrainedModel.from_pretrained = PreTrainedModel.from_pretrained
+        PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # every model class inherits it
 
         keep = kv_cache.KeptCache.keep
 
