@@ -4,7 +4,7 @@
     log_models(ws, parent_run_id, run_name, [final_policy])   # the adapter(s) as MLflow logged models
 
 Each child run (one per stage execution) holds its own single point; the curves live on the
-pipeline's parent run, one point per GRPO step (`train/...`) and per evaluated checkpoint
+pipeline's parent run, one point per update step (GRPO, DPO or PPO) (`train/...`) and per evaluated checkpoint
 (`heldout/...`), keyed by the checkpoint's step. The values come from the catalog (the checkpoint's
 artifact metrics), not from the row, so the curves always mean what the checkpoint recorded. Points
 are stamped with the checkpoint's creation time: a resumed run that replays cached steps logs
@@ -17,9 +17,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from stages.checkpoints import UPDATE_KINDS
 from storage.workspace import Workspace
 
-# grpo artifact metric -> curve name on the parent run
+# update checkpoint's artifact metric -> curve name on the parent run (grpo's, then dpo's and ppo's own)
 TRAIN_CURVES = {
     "reward_mean": "train/reward_mean",
     "reward_std": "train/reward_std",
@@ -33,6 +34,14 @@ TRAIN_CURVES = {
     "staleness": "train/staleness",
     "is_weight_mean": "train/is_weight_mean",
     "is_masked_frac": "train/is_masked_frac",
+    # DPO (stages/dpo.py: TRL's figures at the last step): chosen preferred over rejected, and by how much
+    "rewards_accuracies": "train/dpo_reward_accuracy",
+    "rewards_margins": "train/dpo_reward_margin",
+    "pairs": "train/dpo_pairs",
+    # PPO (stages/ppo.py): the two halves of the loss and how much of the returns the critic explains
+    "policy_loss": "train/policy_loss",
+    "value_loss": "train/value_loss",
+    "explained_variance": "train/explained_variance",
 }
 HELDOUT = "heldout/"
 # With an SFT warm-start, step 0 of the held-out curves is the SFT checkpoint (where GRPO starts);
@@ -110,7 +119,7 @@ def log_models(ws: Workspace, parent_run_id: str, run_name: str, policies: list[
 
 
 def _model_name(run_name: str, ckpt: dict[str, Any]) -> str:
-    return f"{run_name}-{ckpt['kind']}" + (f"-step{ckpt['step']}" if ckpt["kind"] == "grpo" else "")
+    return f"{run_name}-{ckpt['kind']}" + (f"-step{ckpt['step']}" if ckpt["kind"] in UPDATE_KINDS else "")
 
 
 def _tags(run_name: str, chain: list[dict[str, Any]]) -> dict[str, str]:

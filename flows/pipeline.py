@@ -108,7 +108,7 @@ def ray_workers(cfg: RunConfig) -> dict[str, int]:
 def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | None, start_step: int,
            on_step: Callable[[dict[str, Any]], None]) -> TrainResult:
     ws = ctx.ws
-    cluster.prepare(ctx.ray, ray_workers(cfg))
+    cluster.prepare(ctx.ray, ray_workers(cfg), overlapped=cfg.max_staleness > 0)
     base = base_policy(ws, cfg.base_model)
     policy, sft_policy = start_policy or base, None
     if cfg.sft is not None and start_policy is None:

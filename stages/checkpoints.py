@@ -24,6 +24,10 @@ from storage.atomic import WriteError, atomic_dir
 from storage.checkpoints import publish
 from storage.workspace import Workspace
 
+# The checkpoint kinds a pipeline step's update writes (the `algorithm:`, flows/algorithms.py: grpo, rloo and
+# reinforce_pp write `grpo`): the run page's step chain and curves, `rlops inspect`'s steps and MLflow's curves.
+UPDATE_KINDS = ("grpo", "dpo", "ppo")
+
 
 @dataclass(frozen=True)
 class Checkpoint:

@@ -140,11 +140,13 @@ def pinned(node_id: str) -> Any:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
 
 
-def prepare(config: RayConfig, workers: dict[str, int]) -> None:
+def prepare(config: RayConfig, workers: dict[str, int], overlapped: bool = False) -> None:
     """Before a run's first stage: when a stage asks for Ray workers (`workers`: config key -> count),
     start or join Ray now, a local one sized for the largest GRPO group, and fail at once, naming the
     numbers, when the cluster can never place what the config asks. Rollout actors need a node with
-    CPUs, score tasks one CPU each (they queue), `grpo.workers` that many CPUs at once."""
+    CPUs, score tasks one CPU each (they queue), `grpo.workers` that many CPUs at once. `overlapped`
+    (max_staleness > 0): a step's score tasks run while the update trains, so Ray score tasks beside an
+    update that holds every CPU would wait for it past `placement_timeout_s`: refused here instead."""
     if max(workers.values(), default=1) <= 1:
         return
     import ray
@@ -159,6 +161,11 @@ def prepare(config: RayConfig, workers: dict[str, int]) -> None:
     if gang > total:
         raise RuntimeError(f"grpo.workers: {gang} needs {gang} CPUs at once; {where} has {total:g} "
                            f"({len(nodes)} node{'s' if len(nodes) > 1 else ''} with CPUs, {ray.cluster_resources()})")
+    if overlapped and workers.get("score.workers", 1) > 1 and gang > 1 and gang >= total:
+        raise RuntimeError(f"max_staleness > 0 scores the next batches while the update trains, but grpo.workers: "
+                           f"{gang} holds all {total:g} CPUs of {where}, so the score tasks (score.workers: "
+                           f"{workers['score.workers']}) would wait for it and fail after ray.placement_timeout_s: lower "
+                           f"grpo.workers or set score.workers: 1 (scoring then runs in this process)")
 
 
 def reserve(cpus: int, what: str, timeout_s: float) -> None:

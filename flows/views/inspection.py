@@ -3,7 +3,7 @@
     view = inspect_run(ws, "arithmetic-demo", reward="total", step=3, top=5)   # best and worst episodes
     diff = diff_versions(ws, "arithmetic-demo", "short@ab12", "short@cd34")     # what an edit changed
 
-`inspect_run` takes the run's training episodes (all steps, or one GRPO step's batch) and, for every
+`inspect_run` takes the run's training episodes (all steps, or one update step's batch: GRPO, DPO or PPO) and, for every
 version of the reward scored on them, the top-N and the bottom-N by that version's value. `diff_versions`
 takes the episodes whose score moved most between two reward versions: the check to run after editing a
 reward and before retraining on it. Either way each episode comes back whole: its messages with tool
@@ -26,6 +26,7 @@ from typing import Any
 
 import duckdb
 
+from stages.checkpoints import UPDATE_KINDS
 from stages.reward_ref import RewardRef
 from stages.score import ScoreConfig
 from storage.schema import Message, Rollout, from_table
@@ -70,7 +71,7 @@ class Episode:
     """One rollout as the inspect views show it."""
 
     rollout: Rollout
-    step: int | None  # the GRPO step that trained on its batch (None: not trained on yet)
+    step: int | None  # the update step (GRPO, DPO or PPO) that trained on its batch (None: not trained on yet)
     segments: list[Segment]
     scores: list[Score]  # every reward name and version scored on it, by name then scoring time
 
@@ -146,8 +147,8 @@ def parse_ref(ref: str) -> tuple[str, str | None]:
 
 
 def run_batches(ws: Workspace, run: str, step: int | None = None) -> dict[str, int | None]:
-    """Training rollout batch id -> the GRPO step that trained on it (None: not trained on yet), in
-    rollout order; only GRPO step `step`'s batch when given. A retrain branch inspects the batches it
+    """Training rollout batch id -> the update step (a GRPO, DPO or PPO checkpoint) that trained on it (None:
+    not trained on yet), in rollout order; only step `step`'s batch when given. A retrain branch inspects the batches it
     replayed, with its own steps. KeyError naming the run (or the step) when there are none.
 
     Steps are checkpoint steps, as on the run page and in MLflow: step k's checkpoint was trained on
@@ -158,20 +159,21 @@ def run_batches(ws: Workspace, run: str, step: int | None = None) -> dict[str, i
     with read_views(ws) as con:
         source = run_config(con, run).get("retrain_of") or run
         trained = {b: k for k, on in con.execute(
-            "SELECT step, trained_on FROM checkpoints WHERE run_name = ? AND kind = 'grpo'", [run]).fetchall()
+            "SELECT step, trained_on FROM checkpoints WHERE run_name = ? AND list_contains(?, kind)",
+            [run, list(UPDATE_KINDS)]).fetchall()
             for b in json.loads(on or "{}").get("batches", [])}
     out = {b: trained.get(b) for b in pipeline_batches(StageContext(ws, run_name=source), source)}
     if step is not None:
         known = sorted(s for s in out.values() if s is not None)
         out = {b: s for b, s in out.items() if s == step}
         if not out:
-            raise KeyError(f"run {run!r} has no training batch at GRPO step {step} (steps: {known})")
+            raise KeyError(f"run {run!r} has no training batch at update step {step} (steps: {known})")
     return out
 
 
 def inspect_run(ws: Workspace, run: str, reward: str | None = None, step: int | None = None, top: int = 5) -> Inspection:
     """The top-`top` and bottom-`top` episodes of `run` per version of `reward` (NAME or NAME@VERSION;
-    default: the reward the run trains on), over all its training batches or those of GRPO `step`."""
+    default: the reward the run trains on), over all its training batches or those of update `step`."""
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
     batches = run_batches(ws, run, step)

@@ -2,9 +2,10 @@
 
     path = write_run_page(ws, "arithmetic-demo")     # WORKSPACE/reports/<run>/run.html
 
-It answers "did this run learn, and on what?": training curves per GRPO step (reward mean with its
-std band, zero-variance share, loss, clip fraction, KL, tokens/s), the held-out metrics by
-checkpoint (a curve and a table), the lineage (base -> SFT -> each GRPO step, and the retrain
+It answers "did this run learn, and on what?": training curves per update step, whatever the run's
+`algorithm:` (GRPO: reward mean with its std band, zero-variance share, loss, clip fraction, KL,
+tokens/s; DPO: loss, reward accuracy and margin; PPO: policy and value loss, explained variance), the
+held-out metrics by checkpoint (a curve and a table), the lineage (base -> SFT -> each step, and the retrain
 branches replayed from this run), and links to the inspected episodes: the run's best and worst
 episodes overall and at each step, and any version diffs written for it. Everything is read from
 the catalog and the Parquet views, the source of truth (MLflow holds the same curves).
@@ -18,11 +19,16 @@ from typing import Any
 from flows.views.inspect_render import inspect_page_path, write_inspection_html
 from flows.views.inspection import inspect_run, read_views, run_batches, train_reward
 from flows.views.pages import esc, fmt, line_chart, write_page
+from stages.checkpoints import UPDATE_KINDS
 from storage.workspace import Workspace
 
-# grpo artifact metric -> chart title; the ones a reader checks first, in that order
+# update checkpoint's artifact metric -> chart title; the ones a reader checks first, in that order. A chart
+# appears when some step recorded its metric: GRPO's, DPO's (TRL's last-step figures) or PPO's.
 CHARTS = [("frac_zero_variance_groups", "zero-variance share (no signal)"), ("loss", "loss"),
-          ("clip_frac", "clip fraction"), ("kl", "KL to the base"), ("tokens_per_s", "training tokens/s")]
+          ("clip_frac", "clip fraction"), ("kl", "KL to the base"),
+          ("rewards_accuracies", "DPO reward accuracy (chosen above rejected)"), ("rewards_margins", "DPO reward margin"),
+          ("policy_loss", "PPO policy loss"), ("value_loss", "PPO value loss"),
+          ("explained_variance", "PPO critic's explained variance"), ("tokens_per_s", "training tokens/s")]
 
 
 def write_run_page(ws: Workspace, run: str, out_dir: Path | None = None, top: int = 3) -> Path:
@@ -99,16 +105,21 @@ def _evals(ws: Workspace, run: str) -> dict[str, dict[str, float]]:
 
 
 def _curves(ws: Workspace, chain: list[dict[str, Any]], evals: dict[str, dict[str, float]]) -> str:
-    grpo = [(c["step"], ws.catalog.get_artifact(c["policy_id"])["meta"]["metrics"]) for c in chain if c["kind"] == "grpo"]
-    charts = [line_chart("train reward (mean ± std)", {"reward_mean": [(s, m["reward_mean"]) for s, m in grpo if "reward_mean" in m]},
+    steps = [(c["step"], ws.catalog.get_artifact(c["policy_id"])["meta"]["metrics"]) for c in chain
+             if c["kind"] in UPDATE_KINDS]
+    # GRPO's own charts stay on a GRPO run's page even when no step recorded them (all groups without signal).
+    grpo_run = any(c["kind"] == "grpo" for c in chain)
+    shown = {"frac_zero_variance_groups", "loss", "clip_frac", "tokens_per_s"} if grpo_run else set()
+    charts = [line_chart("train reward (mean ± std)", {"reward_mean": [(s, m["reward_mean"]) for s, m in steps if "reward_mean" in m]},
                          band={"reward_mean": [(s, m["reward_mean"] - m["reward_std"], m["reward_mean"] + m["reward_std"])
-                                               for s, m in grpo if "reward_std" in m]})]
-    # A step whose groups all had zero variance trained nothing and has no loss: its point is missing.
-    charts += [line_chart(title, {key: [(s, m[key]) for s, m in grpo if key in m]}) for key, title in CHARTS
-               if key != "kl" or any(key in m for _, m in grpo)]  # KL only when it was computed (beta > 0)
-    # Held-out by step: the policy GRPO starts from (SFT, else base) at step 0, then each GRPO checkpoint.
-    start = next((c for c in reversed(chain) if c["kind"] != "grpo"), None)
-    evaluated = [c for c in chain if c["policy_id"] in evals and (c["kind"] == "grpo" or c is start)]
+                                               for s, m in steps if "reward_std" in m]})]
+    # A step whose groups all had zero variance trained nothing and has no loss: its point is missing. A chart
+    # no step recorded (KL without beta > 0, another algorithm's metric) is left out.
+    charts += [line_chart(title, {key: [(s, m[key]) for s, m in steps if key in m]}) for key, title in CHARTS
+               if key in shown or any(key in m for _, m in steps)]
+    # Held-out by step: the policy the updates start from (SFT, else base) at step 0, then each step's checkpoint.
+    start = next((c for c in reversed(chain) if c["kind"] not in UPDATE_KINDS), None)
+    evaluated = [c for c in chain if c["policy_id"] in evals and (c["kind"] in UPDATE_KINDS or c is start)]
     metrics = sorted({m for c in evaluated for m in evals[c["policy_id"]]})
     charts.append(line_chart("held-out metrics by step", {m: [(c["step"], evals[c["policy_id"]][m]) for c in evaluated
                                                               if m in evals[c["policy_id"]]] for m in metrics}))

@@ -131,6 +131,7 @@ def _growing_layer() -> type:
 
     class GrowingLayer(DynamicLayer):
         reserve = 128  # free slots allocated beyond what is written: a turn's decoding steps, usually
+        double_adopted = False  # True: the first version's rule (an adopted cache doubled too), for bench_memory's A/B
 
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
@@ -153,7 +154,11 @@ def _growing_layer() -> type:
             owned = self._keys is not None and self.keys.data_ptr() == self._keys.data_ptr() \
                 and self.keys.shape[0] == self._keys.shape[0]
             if not owned or n > self._keys.shape[-2]:
-                capacity = max(n + self.reserve, 2 * old)
+                # A full buffer of our own doubles (appends stay amortised O(1)). A cache adopted from outside (a
+                # kept turn's, gathered for the next turn's prefill) gets room for this turn's decoding only:
+                # doubling its `old` columns there reserved a second copy of the whole conversation's keys and
+                # values that the turn never wrote (bench/bench_memory.py, docs/ARCHITECTURE.md "Memory").
+                capacity = max(n + self.reserve, 2 * old) if owned or self.double_adopted else n + self.reserve
                 self._keys, self._values = (self._buffer(current, new, old, capacity)
                                             for current, new in ((self.keys, key_states), (self.values, value_states)))
             self._keys[:, :, old:n] = key_states

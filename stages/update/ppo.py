@@ -128,7 +128,9 @@ def _step_values(values: Any, positions: list[int]) -> Any:
 def train_ppo(policy: Any, critic: Any, episodes: list[Episode], config: PPOConfig,
               temperature: float) -> list[dict[str, float]]:
     """`config.epochs` PPO steps on `episodes`; returns per epoch: loss, policy_loss, value_loss (the critic's
-    mean squared error on that epoch's returns, before its step), advantage_std, grad_norm, tokens."""
+    mean squared error on that epoch's returns, before its step), explained_variance (1 - Var(returns - values)
+    / Var(returns) over the steps, before its step: 1 a perfect critic, 0 no better than a constant),
+    advantage_std, grad_norm, tokens."""
     import torch
 
     from stages.policy.logprobs import token_logprobs
@@ -148,6 +150,7 @@ def train_ppo(policy: Any, critic: Any, episodes: list[Episode], config: PPOConf
     for _ in range(config.epochs):
         # The critic's values at the steps (no grad) -> advantages and returns for this epoch.
         advantages, returns = [None] * len(episodes), [None] * len(episodes)
+        step_values = [None] * len(episodes)
         critic.eval()
         with torch.no_grad():
             for idx in chunks:
@@ -155,12 +158,15 @@ def train_ppo(policy: Any, critic: Any, episodes: list[Episode], config: PPOConf
                 attn = _pad([[1] * len(episodes[i].token_ids) for i in idx], torch.long, device)
                 values = critic(ids, attn).float().cpu()  # (b, T)
                 for row, i in enumerate(idx):
-                    v = _step_values(values[row], positions[i])
+                    v = step_values[i] = _step_values(values[row], positions[i])
                     advantages[i], returns[i] = episode_advantages(episodes[i].reward, v, episodes[i].loss_mask,
                                                                    config.credit, config.gamma, config.lam)
         # Whiten the advantages over the batch's sampled tokens (PPO's usual normalisation).
         flat = torch.cat([a[torch.tensor(e.loss_mask, dtype=torch.bool)] for a, e in zip(advantages, episodes)])
         mean, std = flat.mean(), flat.std(unbiased=False) + 1e-6
+        all_returns, all_values = torch.cat(returns), torch.cat(step_values)
+        ret_var = float(all_returns.var(unbiased=False))
+        explained = 1.0 - float((all_returns - all_values).var(unbiased=False)) / ret_var if ret_var > 0 else 0.0
         policy.train()
         critic.train()
         optimizer.zero_grad(set_to_none=True)
@@ -185,5 +191,5 @@ def train_ppo(policy: Any, critic: Any, episodes: list[Episode], config: PPOConf
         grad_norm = float(torch.nn.utils.clip_grad_norm_([p for g in params for p in g["params"]], config.max_grad_norm))
         optimizer.step()
         history.append({**sums, "loss": sums["policy_loss"] + config.value_coef * sums["value_loss"],
-                        "advantage_std": float(std), "grad_norm": grad_norm, "tokens": tokens})
+                        "explained_variance": explained, "advantage_std": float(std), "grad_norm": grad_norm, "tokens": tokens})
     return history

@@ -135,7 +135,7 @@ def test_terminal_view_through_the_cli(run_ws: Workspace) -> None:
     (["nope"], "run 'nope' has no training rollout batches"),
     (["insp", "--reward", "missing"], "no 'missing' rewards on run 'insp'"),
     (["insp", "--reward", "short@0000"], "short@0000 was not scored"),
-    (["insp", "--step", "9"], "no training batch at GRPO step 9 (steps: [1, 2])"),
+    (["insp", "--step", "9"], "no training batch at update step 9 (steps: [1, 2])"),
     (["insp", "--diff", "short", "short@x"], "--diff takes two NAME@VERSION"),
     (["insp", "--top", "0"], "--top must be at least 1"),
 ])

@@ -258,3 +258,33 @@ def test_the_decoding_cache_appends_in_place() -> None:
     plain.batch_select_indices(torch.tensor([2, 0]))
     keys, _ = grown.update(steps[1][:2], steps[1][:2], 0)
     assert torch.equal(keys, plain.update(steps[1][:2], steps[1][:2], 0)[0]) and keys.shape == (2, 1, 9, 8)
+
+
+def test_an_adopted_cache_reserves_one_turn_of_room_not_a_second_copy() -> None:
+    """A kept turn's cache, adopted by the next turn's generate (`growing`), is copied into a buffer with room for
+    this turn's new columns and `reserve` decoding steps, not twice its length (a second copy of the whole
+    conversation's keys and values per layer: the rollout's largest waste, bench/bench_memory.py); decoding
+    stays in place, and a full buffer of its own still doubles."""
+    from transformers import DynamicCache, LlamaConfig
+
+    from stages.policy.kv_cache import growing
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    kept, plain = DynamicCache(config=config), DynamicCache(config=config)
+    torch.manual_seed(0)
+    turn = torch.randn(2, 1, 300, 8)  # the previous turn: 300 columns
+    kept.update(turn, -turn, 0)
+    plain.update(turn, -turn, 0)
+    grown = growing(kept)
+    layer = grown.layers[0]
+    new = torch.randn(2, 1, 20, 8)  # this turn's uncached columns (a tool result)
+    keys, values = grown.update(new, -new, 0)
+    assert torch.equal(keys, plain.update(new, -new, 0)[0]) and torch.equal(values, -keys)
+    assert layer._keys.shape[-2] == 320 + layer.reserve  # was 2 * 300 before
+    pointer = keys.data_ptr()
+    for _ in range(layer.reserve):  # a turn's decoding steps: in place
+        step = torch.randn(2, 1, 1, 8)
+        keys, _ = grown.update(step, step, 0)
+        assert keys.data_ptr() == pointer
+    keys, _ = grown.update(step, step, 0)  # full: a buffer of its own doubles
+    assert layer._keys.shape[-2] == 2 * (320 + layer.reserve) and keys.shape[-2] == 320 + layer.reserve + 1
