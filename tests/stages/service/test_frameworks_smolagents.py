@@ -21,9 +21,9 @@ import pytest
 
 from tests.frameworks_model import train_turns
 from tests.scripted_model import CALL, QUESTION, SYSTEM, TOOL_RESULT
-from tests.stages.service.framework_checks import episode, same_record, sampled_texts
+from tests.stages.service.framework_checks import assert_echo_recognised, episode, same_record, sampled_texts
 
-pytestmark = pytest.mark.slow  # a tiny model trains for ~10 s; smolagents imports in ~5 s
+pytestmark = pytest.mark.slow  # setup ~45 s on a loaded 2-core machine: a tiny model memorises a ~1000-token prompt
 
 FINAL = {"name": "final_answer", "arguments": {"answer": "1987"}}
 
@@ -96,6 +96,7 @@ def test_smolagents_tool_calling_agent_plain_and_streamed(smol_served):
         assert bodies[1]["messages"][3]["content"][0]["text"] == f"Observation:\n{TOOL_RESULT}"
         ep = episode(smol_served, episode_id)
         assert ep["segment_starts"] == [] and ep["num_turns"] == 2
+        assert_echo_recognised(smol_served, episode_id)
         assert ep["constraints"] == ["tool_choice=required"] * 2
         assert sum(ep["loss_mask"]) == agent.monitor.get_total_token_counts().output_tokens
         call, final = sampled_texts(smol_served.policy.tokenizer, ep)
