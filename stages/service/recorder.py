@@ -20,7 +20,9 @@ new segment holding that whole prompt (mask 0). Every sampled token appears once
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -72,6 +74,28 @@ def _arguments_meaning(arguments: str) -> list:
     if isinstance(value, dict) and list(value) == ["INVALID_JSON"] and isinstance(value["INVALID_JSON"], str):
         return _arguments_meaning(value["INVALID_JSON"])  # pydantic-ai's wrapping of arguments it cannot parse
     return ["json", value]
+
+
+# smolagents sends the service's tool-call turn back as text: its own content (if any), then
+# "Calling tools:\n" and the Python repr of [{"id", "type", "function": {"name", "arguments"}}]
+# (smolagents/memory.py ActionStep.to_messages); the tool's result follows as a user "Observation:".
+_SMOLAGENTS_CALLS = re.compile(r"(?P<text>.*?)\n?Calling tools:\n(?P<calls>\[.*\])\s*", re.DOTALL)
+
+
+def text_echo_fingerprint(content: str | None) -> str | None:
+    """The fingerprint of an assistant turn that a framework flattened into text (smolagents), or None
+    when `content` is not such a text. The calls keep the service's ids, so only the service's own
+    turn can match; arguments compare by meaning, as in `fingerprint`."""
+    match = _SMOLAGENTS_CALLS.fullmatch(content or "")
+    if match is None:
+        return None
+    try:
+        listed = ast.literal_eval(match["calls"])  # literals only: never evaluates code
+        calls = [ToolCall(c["id"], c["function"]["name"], a if isinstance(a := c["function"]["arguments"], str)
+                          else json.dumps(a)) for c in listed]
+    except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError):
+        return None
+    return fingerprint(match["text"].strip() or None, calls)
 
 
 def as_written(message: Message) -> Message:
@@ -167,6 +191,8 @@ def chat_prompt(chat: ChatFormat, messages: list[Message], log: EpisodeLog | Non
     seen = list(messages)
     for k, m in enumerate(messages):
         hit = log.returned.get(fingerprint(m.content, m.tool_calls)) if log and m.role == "assistant" else None
+        if hit is None and log and m.role == "assistant" and not m.tool_calls:
+            hit = log.returned.get(text_echo_fingerprint(m.content) or "")
         if hit is not None:
             call, choice = hit
             log.calls[call].chosen = choice

@@ -20,7 +20,7 @@ RETURNED = ECHOES["returned"]  # what the scripted server returned: call_abc123,
 OPENING = [Message("system", "You search."), Message("user", "Where was Grougo Ninael born?")]
 # LangGraph's streamed parser repairs cut-off arguments (`{"query": "Grougo Ninael"` comes back closed):
 # the tool ran with arguments the model did not write, so the turn did change. smolagents sends the
-# call back as its own text ("Calling tools: [...]"), never as a tool call.
+# call back as its own text ("Calling tools: [...]"), never as a tool call: recognised from that text.
 CHANGED = {"bad__langgraph_agent.rollout_stream"}
 
 
@@ -52,7 +52,7 @@ def test_each_frameworks_echo_of_the_tool_call_continues_the_episode(tokenizer, 
     chat, log, eos = _served_call(tokenizer, RETURNED["arguments"][name.split("__")[0]])
     _continue(chat, log, eos, ECHOES["chat"][name])
     t = assemble(log)
-    if "smolagents" in name or name in CHANGED:
+    if name in CHANGED:
         assert len(t.segment_starts) == 1
     else:
         assert t.segment_starts == [], f"{name}: {ECHOES['chat'][name]}"
@@ -99,3 +99,20 @@ def test_an_edited_call_starts_a_new_segment_that_keeps_the_call(tokenizer, argu
     (start,) = t.segment_starts
     assert written in tokenizer.decode(t.token_ids[start:])
     assert sum(t.loss_mask) == len(log.calls[0].choices[0].token_ids) + 2  # each sampled token once
+
+
+@pytest.mark.parametrize("text, recognised", [
+    ("Calling tools:\n[{'id': 'call_abc123', 'type': 'function', 'function': {'name': 'search', 'arguments': {'query': 'Q'}}}]", True),
+    ("\nCalling tools:\n[{'id': 'call_abc123', 'type': 'function', 'function': {'name': 'search', 'arguments': {'query': 'Q'}}}]", True),
+    ("Calling tools:\n[{'id': 'call_abc123', 'type': 'function', 'function': {'name': 'search', 'arguments': {'query': 'edited'}}}]", False),
+    ("Calling tools:\n[{'id': 'call_other', 'type': 'function', 'function': {'name': 'search', 'arguments': {'query': 'Q'}}}]", False),
+    ("Calling tools:\n[{'id': 'call_abc123', 'function': {'name': 'search'}}]", False),  # not smolagents' shape
+    ("Calling tools:\n[__import__('os')]", False),  # never evaluated
+])
+def test_smolagents_text_echo_is_the_same_turn_only_when_it_means_the_same_call(tokenizer, text, recognised):
+    """smolagents flattens the call into text (and sends the result as a user "Observation:")."""
+    chat, log, eos = _served_call(tokenizer, '{"query": "Q"}')
+    messages = OPENING + [Message("assistant", text), Message("user", "Observation:\nborn in Vexhollow")]
+    prompt, seen = chat_prompt(chat, messages, log, {eos})
+    log.add(Call(seen, [Completion(prompt, [42, eos], [-0.1, -0.2], Message("assistant", "Vexhollow"), "stop")]), [])
+    assert (assemble(log).segment_starts == []) is recognised
