@@ -25,9 +25,6 @@ LANGGRAPH = f"{FRAMEWORKS / 'langgraph' / 'agent.py'}:rollout"
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_each_framework_example_is_an_endpoint_entry(tmp_path, entry):
-    if entry.startswith("litellm/"):
-        pytest.importorskip("litellm", reason="LiteLLM is not a dependency of rlops (pyproject): its example loads "
-                                              "where it is installed")
     fn, source = load_entry(f"{FRAMEWORKS / entry}")
     assert "import rlops" not in source.read_text() and "from tasks" not in source.read_text()
     prompts = tmp_path / "p.jsonl"
@@ -35,17 +32,20 @@ def test_each_framework_example_is_an_endpoint_entry(tmp_path, entry):
     assert load_task("agent", {"entry": f"{FRAMEWORKS / entry}", "prompts": str(prompts)}).agent.form == "endpoint"
 
 
-def test_the_langgraph_example_is_recorded_and_its_history_stored(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("name", ["langgraph", "litellm"])
+def test_a_framework_example_is_recorded_and_its_history_stored(tmp_path, tiny_model_dir, name):
     ws = Workspace.open(tmp_path / "ws")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "p0", "prompt": "In which town was Grougo Ninael born?",
                                    "metadata": {"answer": "Fograndford"}}) + "\n")
-    task = rollout.TaskSpec(name="agent", params={"entry": LANGGRAPH, "prompts": str(prompts)})
+    entry = f"{FRAMEWORKS / name / 'agent.py'}:rollout"
+    task = rollout.TaskSpec(name="agent", params={"entry": entry, "prompts": str(prompts)})
     config = rollout.RolloutConfig(prompts_per_step=1, group_size=1, max_new_tokens=8, max_total_tokens=1024)
     ref = rollout.run(config, StageContext(ws), base_policy(ws, str(tiny_model_dir)), task)
     (row,) = from_table(ws.read_artifact(ref.id), Rollout)
     assert row.finish_reason == "answer" and "messages_note" not in row.metadata, row.metadata
-    # The graph's state holds no system prompt: the recorded one is put back in front of its messages.
+    # LangGraph's state holds no system prompt: the recorded one is put back in front of its messages;
+    # LiteLLM's history keeps it (and mixes dicts with LiteLLM's Message objects).
     assert [m.role for m in row.messages] == ["system", "user", "assistant"]
     assert row.messages[0].content.startswith("You answer questions about a private knowledge base")
     assert row.messages[1].content == "In which town was Grougo Ninael born?"
