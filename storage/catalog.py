@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.atomic import atomic_file
@@ -254,6 +255,18 @@ class Catalog:
     def get_run(self, run_name: str) -> dict[str, Any] | None:
         rows = self._rows("SELECT * FROM runs WHERE run_name = ?", [run_name])
         return _decode(rows[0]) if rows else None
+
+
+def read_snapshot(path: Path | str, columns: list[str] | None = None) -> pa.Table:
+    """A catalog snapshot (`<workspace>/catalog/<table>.parquet`) read while a run may be rewriting it.
+
+    Snapshots are replaced by an atomic rename, but `pq.read_table(path)` opens the file twice (the
+    footer, then the pages): a rename between the two opens pairs the old file's footer with the new
+    file's bytes ("Couldn't deserialize thrift"). Reading the bytes through one open gives one whole
+    version, old or new."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return pq.read_table(pa.BufferReader(data), columns=columns)
 
 
 def _decode(row: dict[str, Any]) -> dict[str, Any]:

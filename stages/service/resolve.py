@@ -15,12 +15,12 @@ Resolver = Callable[[str], tuple[str, str | None]]
 
 
 def _checkpoints(checkpoints_file: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    from storage.catalog import read_snapshot
 
     if not checkpoints_file.exists():
         return []
     cols = ["policy_id", "base_model", "kind", "adapter_uri", "run_name", "created_at"]
-    return sorted(pq.read_table(checkpoints_file, columns=cols).to_pylist(), key=lambda r: r["created_at"])
+    return sorted(read_snapshot(checkpoints_file, cols).to_pylist(), key=lambda r: r["created_at"])
 
 
 def find_checkpoint(checkpoints_file: Path, name: str) -> dict[str, Any]:

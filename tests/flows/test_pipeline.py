@@ -11,12 +11,12 @@ import sys
 import time
 
 import mlflow
-import pyarrow.parquet as pq
 import yaml
 
 from flows import pipeline
 from flows.run_config import from_dict
 from stages.common import StageContext
+from storage.catalog import read_snapshot
 from storage.workspace import Workspace
 from tests.flows.conftest import expected_rows, tiny_config
 
@@ -94,7 +94,7 @@ def test_cli_run_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir
     snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the flow holds the catalog
 
     def grpo_checkpoints() -> int:
-        return pq.read_table(snapshot)["kind"].to_pylist().count("grpo") if snapshot.exists() else 0
+        return read_snapshot(snapshot)["kind"].to_pylist().count("grpo") if snapshot.exists() else 0
 
     deadline = time.time() + 600
     while grpo_checkpoints() < 1:

@@ -7,11 +7,11 @@ import subprocess
 import sys
 import textwrap
 import time
-import pyarrow.parquet as pq
 
 from stages import rollout
 from stages.common import StageContext, base_policy
 from storage.schema import ROLLOUTS, Rollout, from_table
+from storage.catalog import read_snapshot
 from storage.workspace import Workspace
 
 TASK = rollout.TaskSpec(name="arithmetic", params={"n_train": 50, "n_test": 10})
@@ -67,7 +67,7 @@ def test_batch_killed_midway_resumes_without_duplicates_or_gaps(tmp_path, tiny_m
     snapshot = ws_dir / "catalog" / "files.parquet"  # the registered shards, readable while the run writes
 
     def registered() -> int:
-        return pq.read_table(snapshot).num_rows if snapshot.exists() else 0
+        return read_snapshot(snapshot).num_rows if snapshot.exists() else 0
 
     deadline = time.time() + 300
     while registered() < 2:
