@@ -229,7 +229,8 @@ class PolicyService:
             calls = [ToolCall(call_id(rid, i, k), c.name, c.arguments) for k, c in enumerate(found)]
             text = visible_text(s.text, list(sampling.stop))
             shown = Message("assistant", without_tool_calls(text) if req.tools else text, calls)
-            finish = "tool_calls" if calls else s.finish_reason
+            # A call cut off by max_tokens is "length", as OpenAI says it: the agent must not run half a call.
+            finish = "tool_calls" if calls and s.finish_reason != "length" else s.finish_reason
             recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason,
                                        s.constraint))
             returned.append(shown)

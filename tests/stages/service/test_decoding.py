@@ -102,6 +102,18 @@ def test_tool_choice_required_and_named_return_tool_calls(service):
     assert free.usage.prompt_tokens < r.usage.prompt_tokens  # the tools were not offered
 
 
+def test_a_required_call_cut_off_by_max_tokens_says_length(service):
+    client = _client(service, "ep-cut")
+    r = client.chat.completions.create(model="base", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=3)
+    assert r.usage.completion_tokens == 3
+    assert r.choices[0].finish_reason == "length"  # not "tool_calls": the call is unfinished
+    chunks = list(client.chat.completions.create(model="base", messages=USER, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=3, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    (call,) = service.recorder.peek("ep-cut").calls[:1]
+    assert call.choices[0].finish_reason == "length"
+
+
 def test_responses_tool_choice_is_honoured_like_chat(service):
     client = _client(service, "ep-resp-req")
     flat = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses shape
