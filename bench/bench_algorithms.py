@@ -164,6 +164,7 @@ def main() -> None:
         for a in algorithms:
             if mode in modes:  # GRPO's offline replay of its own batches is the source run (same ids)
                 rows.append({**source, "job": f"{mode}:grpo"} if a == "grpo" else run_child(args, f"{mode}:{a}"))
+                print(f"after {rows[-1]['job']}:\n{table(args.workspace, rows)}", file=sys.stderr, flush=True)
     print(f"\n{Path(args.config).stem}, {args.steps} steps, from {source['start']}"
           f" ({'the base model' if args.no_sft else 'the config sft checkpoint, if any'})")
     print(table(args.workspace, rows))
