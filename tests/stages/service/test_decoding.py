@@ -104,14 +104,18 @@ def test_tool_choice_required_and_named_return_tool_calls(service):
 
 def test_a_required_call_cut_off_by_max_tokens_says_length(service):
     client = _client(service, "ep-cut")
-    r = client.chat.completions.create(model="base", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=3)
-    assert r.usage.completion_tokens == 3
-    assert r.choices[0].finish_reason == "length"  # not "tool_calls": the call is unfinished
-    chunks = list(client.chat.completions.create(model="base", messages=USER, tools=TOOLS, tool_choice="required",
-                                                 max_tokens=3, stream=True))
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
-    (call,) = service.recorder.peek("ep-cut").calls[:1]
-    assert call.choices[0].finish_reason == "length"
+    opened = 0
+    for budget in (3, 8, 12, 16):  # cut before, at and after the opening tag: never "tool_calls"
+        r = client.chat.completions.create(model="base", messages=USER, tools=TOOLS, tool_choice="required",
+                                           max_tokens=budget)
+        assert r.usage.completion_tokens == budget
+        assert r.choices[0].finish_reason == "length"  # not "tool_calls": the call is unfinished
+        opened += bool(r.choices[0].message.tool_calls)  # the half call is returned, as OpenAI returns it
+        chunks = list(client.chat.completions.create(model="base", messages=USER, tools=TOOLS, tool_choice="required",
+                                                     max_tokens=budget, stream=True))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert opened  # some budget reached inside the call, the case that used to say "tool_calls"
+    assert {c.choices[0].finish_reason for c in service.recorder.peek("ep-cut").calls} == {"length"}
 
 
 def test_responses_tool_choice_is_honoured_like_chat(service):
