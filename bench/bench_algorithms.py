@@ -52,6 +52,9 @@ def _config(args: argparse.Namespace, algorithm: str, name: str) -> Any:
     data.update(name=name, algorithm=algorithm)
     if algorithm == "ppo":  # one pass over each step's data, as every other update makes
         data["ppo"] = {**data["ppo"], "epochs": 1}
+    from flows.config import apply_overrides  # `--algo-set rloo:rloo.lr=3e-4`: that algorithm's rows only
+
+    data = apply_overrides(data, [kv for a, _, kv in (x.partition(":") for x in args.algo_set) if a == algorithm])
     if args.no_sft:
         data["sft"] = None
     return from_dict(data)
@@ -107,7 +110,7 @@ def run_child(args: argparse.Namespace, job: str) -> dict[str, Any]:
     out = Path(args.workspace) / f"{job.replace(':', '-')}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), args.config, "--steps", str(args.steps), "--child", job,
            "--workspace", args.workspace, *(["--no-sft"] if args.no_sft else []),
-           *[x for s in args.set for x in ("--set", s)]]
+           *[x for s in args.set for x in ("--set", s)], *[x for s in args.algo_set for x in ("--algo-set", s)]]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -143,6 +146,8 @@ def main() -> None:
     ap.add_argument("--modes", default="offline,online")
     ap.add_argument("--no-sft", action="store_true", help="start from the base model (drop the config's sft)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--algo-set", action="append", default=[], metavar="ALG:KEY=VALUE",
+                    help="override for one algorithm's rows only, e.g. rloo:rloo.lr=3e-4 (repeatable)")
     ap.add_argument("--workspace", help="keep the workspace here (default: a temporary folder)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
