@@ -18,6 +18,7 @@ import threading
 import time
 
 import loopback  # bench/loopback.py: run under .ci/loopback
+from bench_host import decode  # the prefill and greedy decoding, timed the same way as there
 
 
 def main() -> None:
@@ -40,11 +41,7 @@ def main() -> None:
     def generate(threads: int) -> float:
         torch.set_num_threads(threads)
         start = time.perf_counter()
-        with torch.no_grad():
-            out = gen_model(input_ids=prompts, use_cache=True)
-            for _ in range(32):
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-                out = gen_model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        decode(gen_model, prompts)
         return time.perf_counter() - start
 
     def train(threads: int) -> float:
