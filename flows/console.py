@@ -22,8 +22,9 @@ QUIET_ENV = {
     "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables..."
     "TOKENIZERS_PARALLELISM": "false",  # the fork warning of tokenizers in Ray workers and Prefect threads
 }
+# tasks.mcp: what stdio MCP servers write to stderr (their SDK logs every request), tasks/mcp.py
 LIBRARY_LOGGERS = ("py.warnings", "transformers", "datasets", "trl", "peft", "accelerate", "torch", "ray",
-                   "alembic", "httpx")
+                   "alembic", "httpx", "tasks.mcp")
 
 
 def quiet_console(workspace: Path) -> Path:

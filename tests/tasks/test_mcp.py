@@ -4,6 +4,7 @@ errors recorded as the agent loop records a built-in tool's."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -165,3 +166,17 @@ def test_a_stdio_server_dies_with_the_process_that_started_it(tmp_path):
         server.wait(30)  # raises TimeoutExpired if the server outlives its owner
     finally:
         owner.kill()
+
+
+def test_a_stdio_servers_stderr_goes_to_the_log_not_the_console(tmp_path, capfd, caplog):
+    # A server of its own (the env differs from other tests'), so this connection starts it.
+    server = mcp.check_server({"command": ["python", str(TEST_SERVER)], "env": {"RLOPS_TEST_MCP_LOG": str(tmp_path / "l")}})
+    caplog.set_level(logging.INFO, logger="tasks.mcp")
+    conn = mcp.McpConnection(server)
+    try:
+        assert conn.call("search", {"query": "q"}, timeout=30) == TOOL_RESULT
+    finally:
+        conn.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "tasks.mcp"]
+    assert any(line.endswith("scripted MCP server: serving on stdio") for line in logged), logged
+    assert "serving on stdio" not in capfd.readouterr().err  # the server's stderr is not this process's
