@@ -8,11 +8,9 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from stages.policy.agent_loop import call_tools
@@ -20,6 +18,7 @@ from storage.schema import ToolCall
 from tasks import mcp
 from tasks.base import content_digest, load_task
 from tests.netguard import die_with_parent
+from tests.processes import free_port, start_server, stop
 from tests.scripted_model import TOOL_RESULT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,36 +27,15 @@ TEST_SERVER = REPO / "tests" / "tasks" / "mcp_server_for_tests.py"
 
 
 def start_http(script: Path, port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`script --http --port PORT` on 127.0.0.1 (with `env` added), waited for until it answers; the caller stops it."""
-    proc = subprocess.Popen([sys.executable, str(script), "--http", "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
-                            env={**os.environ, **(env or {})})
-    deadline = time.time() + 120
-    while True:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/mcp", timeout=2)  # any answer (406 without an MCP Accept) is up
-            return proc
-        except httpx.HTTPError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError(f"{script.name} did not start on port {port}")
-            time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """`script --http --port PORT` on 127.0.0.1 (with `env` added), waited for until it answers (any
+    answer: 406 without an MCP Accept header); the caller stops it (tests.processes.stop)."""
+    return start_server([sys.executable, str(script), "--http", "--port", str(port)], f"http://127.0.0.1:{port}/mcp",
+                        env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
 def example_http_url() -> Iterator[str]:
     """The doc_search example served over streamable HTTP on a free 127.0.0.1 port."""
-    from tests.flows.conftest import free_port
-
     port = free_port()
     proc = start_http(EXAMPLE, port)
     yield f"http://127.0.0.1:{port}/mcp"
