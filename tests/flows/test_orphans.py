@@ -64,7 +64,7 @@ def _descendants(pid: int, marker: str) -> list[psutil.Process]:
 
 def _server_and_watchdog(driver: subprocess.Popen) -> tuple[psutil.Process, psutil.Process]:
     server = wait_until(lambda: _descendants(driver.pid, "prefect.server.api.server:create_app"), driver,
-                       "the temporary Prefect server started")
+                        "the temporary Prefect server started")
     watchdog = wait_until(lambda: _descendants(driver.pid, "flows.server_watchdog"), driver, "the watchdog started")
     assert len(server) == 1 and len(watchdog) == 1
     return server[0], watchdog[0]
@@ -162,7 +162,7 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
     try:
         server, watchdog = _server_and_watchdog(driver)
         wait_until(lambda: snapshot.exists() and "grpo" in pq.read_table(snapshot)["kind"].to_pylist(), driver,
-                  "the first GRPO checkpoint", timeout=900, every=0.2)
+                   "the first GRPO checkpoint", timeout=900, every=0.2)
         gate.touch()  # the next stage that scores holds
         wait_until(held.exists, driver, "a stage held by the gated reward", timeout=900, every=0.2)
         parent = pq.read_table(runs_snapshot).to_pylist()[0]["mlflow_run_id"]
