@@ -183,6 +183,8 @@ def connect(server: dict[str, Any]) -> McpConnection:
     with _LOCK:
         conn = _CONNECTIONS.get(key)
         if conn is None or not conn.alive:
+            if conn is not None:  # its session ended: stop its loop thread and stderr pipe
+                conn.close()
             conn = _CONNECTIONS[key] = McpConnection(server)
         return conn
 
