@@ -49,7 +49,8 @@ def start_server(argv: list[str], url: str, *, timeout: float = 120.0, status: i
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if status is None or httpx.get(url, timeout=2).status_code == status:
+            answer = httpx.get(url, timeout=2)
+            if status is None or answer.status_code == status:
                 return proc
         except httpx.HTTPError:
             pass
