@@ -158,3 +158,16 @@ def test_a_stdio_servers_stderr_goes_to_the_log_not_the_console(tmp_path, capfd,
     logged = [r.getMessage() for r in caplog.records if r.name == "tasks.mcp"]
     assert any(line.endswith("scripted MCP server: serving on stdio") for line in logged), logged
     assert "serving on stdio" not in capfd.readouterr().err  # the server's stderr is not this process's
+
+
+def test_a_runs_console_shows_no_stdio_server_output_and_its_log_file_has_it(tmp_path):
+    # As `rlops run` sets up its console (flows/console.py), in a process of its own: that is global state.
+    script = ("import json, sys; from pathlib import Path; from flows.console import quiet_console; from tasks import mcp; "
+              "quiet_console(Path(sys.argv[1])); "
+              f"c = mcp.connect(mcp.check_server({{'command': ['python', {str(TEST_SERVER)!r}]}})); "
+              "print(c.call('search', {'query': 'q'}, timeout=30)[:4]); c.close()")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == TOOL_RESULT[:4] and "serving on stdio" not in out.stdout + out.stderr
+    assert "tasks.mcp INFO" in (log := (tmp_path / "logs" / "rlops.log").read_text()) and "serving on stdio" in log
