@@ -20,12 +20,15 @@ def decode(model, ids, steps: int = 32) -> float:
     """Seconds to decode `steps` greedy tokens after the prefill of `ids` (32 x 42: the parity rollout's shape)."""
     import torch
 
+    from stages.policy.kv_cache import cache_kwarg
+
+    name = cache_kwarg()  # `cache` in transformers 5 (`past_key_values` is deprecated there)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
         start = time.perf_counter()
         for _ in range(steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=token, use_cache=True, **{name: getattr(out, name)})
     return time.perf_counter() - start
 
 

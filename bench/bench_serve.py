@@ -29,40 +29,42 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "doc_search_openai"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_shard_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments of a shard comparison (this script's and bench_serve_stream.py's)."""
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--ttft-repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
 
-    import pyarrow.compute as pc
+
+def make_workers(args: argparse.Namespace, tasks: dict) -> tuple[dict, list]:
+    """One prepared rollout worker per labelled TaskSpec on the base SmolLM2, and the doc_search groups
+    (`--prompts` train prompts) every worker runs."""
     import torch
 
     from stages.policy.model import DEFAULT_MODEL, resolve_model
-    from stages.rollout import RolloutConfig, RolloutWorker, TaskSpec
+    from stages.rollout import RolloutConfig, RolloutWorker
     from tasks.base import load_task
 
     torch.set_num_threads(args.threads)
     base = resolve_model(DEFAULT_MODEL)
     config = RolloutConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
                            max_total_tokens=1536, groups_per_shard=args.prompts, tool_timeout=5.0)
-    tasks = {
-        "in-process": TaskSpec(name="doc_search", params={"max_turns": 4}),
-        "served": TaskSpec(name="agent", params={"entry": f"{EXAMPLE / 'agent.py'}:rollout",
-                                                 "prompts": str(EXAMPLE / "prompts.jsonl")}),
-    }
-    prompts = load_task("doc_search").prompts("train")[: args.prompts]
-    groups = list(enumerate(prompts))
+    groups = list(enumerate(load_task("doc_search").prompts("train")[: args.prompts]))
     workers = {label: RolloutWorker(config, base, spec) for label, spec in tasks.items()}
     for worker in workers.values():
         worker.prepare(config, "base", None)
+    return workers, groups
 
-    totals = {label: [0.0, 0, 0, 0] for label in tasks}  # seconds, sampled tokens, episodes, turns
-    for r in range(args.rounds):
+
+def compare(workers: dict, groups: list, rounds: int) -> dict[str, float]:
+    """Run the workers' shards alternately, `rounds` times each; print each shard and each worker's
+    totals; return each worker's sampled tokens per second over its summed time."""
+    import pyarrow.compute as pc
+
+    totals = {label: [0.0, 0, 0, 0] for label in workers}  # seconds, sampled tokens, episodes, turns
+    for r in range(rounds):
         for label, worker in workers.items():
             t0 = time.perf_counter()
             table = worker.run_shard(f"bench-{label}-{r}", "train", groups, base_seed=1000 * r)
@@ -78,6 +80,23 @@ def main() -> None:
     for label, t in totals.items():
         print(f"{label}: {t[2]} episodes, {t[3] / t[2]:.2f} turns/episode, {t[1]} tokens in {t[0]:.1f} s "
               f"= {rate[label]:.1f} tok/s, {t[2] / t[0]:.2f} episodes/s")
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_shard_args(ap)
+    ap.add_argument("--ttft-repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    from stages.rollout import TaskSpec
+
+    workers, groups = make_workers(args, {
+        "in-process": TaskSpec(name="doc_search", params={"max_turns": 4}),
+        "served": TaskSpec(name="agent", params={"entry": f"{EXAMPLE / 'agent.py'}:rollout",
+                                                 "prompts": str(EXAMPLE / "prompts.jsonl")}),
+    })
+    rate = compare(workers, groups, args.rounds)
     print(f"served / in-process throughput: {rate['served'] / rate['in-process']:.3f}")
 
     print(f"time to first token (idle, median of {args.ttft_repeats}): {ttft(workers['served'].policy, args.ttft_repeats)}")

@@ -21,17 +21,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import loopback  # bench/loopback.py: run under .ci/loopback
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "doc_search_openai"
+from bench_serve import EXAMPLE, REPO, add_shard_args, compare, make_workers
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -48,55 +43,21 @@ def _ttft_line(label: str, values: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    add_shard_args(ap)
     args = ap.parse_args()
 
-    import pyarrow.compute as pc
-    import torch
+    from stages.rollout import TaskSpec
 
-    from stages.policy.model import DEFAULT_MODEL, resolve_model
-    from stages.rollout import RolloutConfig, RolloutWorker, TaskSpec
-    from tasks.base import load_task
-
-    torch.set_num_threads(args.threads)
-    base = resolve_model(DEFAULT_MODEL)
-    config = RolloutConfig(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
-                           max_total_tokens=1536, groups_per_shard=args.prompts, tool_timeout=5.0)
     prompts_file = str(EXAMPLE / "prompts.jsonl")
-    tasks = {
+    workers, groups = make_workers(args, {
         "plain": TaskSpec(name="agent", params={"entry": f"{EXAMPLE / 'agent.py'}:rollout", "prompts": prompts_file}),
         "streamed": TaskSpec(name="agent", params={"entry": f"{REPO / 'bench' / 'doc_search_stream_agent.py'}:rollout",
                                                    "prompts": prompts_file}),
-    }
-    prompts = load_task("doc_search").prompts("train")[: args.prompts]
-    groups = list(enumerate(prompts))
-    workers = {label: RolloutWorker(config, base, spec) for label, spec in tasks.items()}
-    for worker in workers.values():
-        worker.prepare(config, "base", None)
+    })
 
     ttft_file = Path(tempfile.mkdtemp()) / "ttft.jsonl"
     os.environ["RLOPS_BENCH_TTFT_FILE"] = str(ttft_file)
-    totals = {label: [0.0, 0, 0, 0] for label in tasks}  # seconds, sampled tokens, episodes, turns
-    for r in range(args.rounds):
-        for label, worker in workers.items():
-            t0 = time.perf_counter()
-            table = worker.run_shard(f"bench-{label}-{r}", "train", groups, base_seed=1000 * r)
-            seconds = time.perf_counter() - t0
-            tokens = pc.sum(pc.list_flatten(table["loss_mask"])).as_py()
-            turns = pc.sum(table["num_turns"]).as_py()
-            errors = pc.sum(pc.cast(pc.equal(table["finish_reason"], "error"), "int64")).as_py()
-            t = totals[label]
-            t[0], t[1], t[2], t[3] = t[0] + seconds, t[1] + tokens, t[2] + table.num_rows, t[3] + turns
-            print(f"round {r} {label}: {table.num_rows} episodes ({errors} errors), {turns / table.num_rows:.2f} turns, "
-                  f"{tokens} sampled tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s", flush=True)
-    rate = {label: t[1] / t[0] for label, t in totals.items()}
-    for label, t in totals.items():
-        print(f"{label}: {t[2]} episodes, {t[3] / t[2]:.2f} turns/episode, {t[1]} tokens in {t[0]:.1f} s "
-              f"= {rate[label]:.1f} tok/s, {t[2] / t[0]:.2f} episodes/s")
+    rate = compare(workers, groups, args.rounds)
     print(f"streamed / plain served throughput: {rate['streamed'] / rate['plain']:.3f} (target >= 0.95)")
 
     calls = [json.loads(line) for line in ttft_file.read_text().splitlines()] if ttft_file.exists() else []

@@ -22,8 +22,10 @@ QUIET_ENV = {
     "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables..."
     "TOKENIZERS_PARALLELISM": "false",  # the fork warning of tokenizers in Ray workers and Prefect threads
 }
+# tasks.mcp: what stdio MCP servers write to stderr (their SDK logs every request), tasks/mcp.py
 LIBRARY_LOGGERS = ("py.warnings", "transformers", "datasets", "trl", "peft", "accelerate", "torch", "ray",
-                   "alembic", "httpx")
+                   "alembic", "httpx", "tasks.mcp")
+INFO_LOGGERS = ("tasks.mcp",)  # kept from INFO up: the root logger's WARNING would drop a server's log lines
 
 
 def quiet_console(workspace: Path) -> Path:
@@ -40,4 +42,6 @@ def quiet_console(workspace: Path) -> Path:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.propagate = False  # not to the root logger's console handler
+    for name in INFO_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
     return log

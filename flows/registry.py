@@ -38,7 +38,7 @@ def print_rows(columns: list[str], rows: list[list[Any]], fmt: str = "table", ou
     elif fmt == "csv":
         import csv
 
-        w = csv.writer(out)
+        w = csv.writer(out, lineterminator="\n")  # the csv default is \r\n; shells keep the \r in $(...)
         w.writerow(columns)
         w.writerows([["" if v is None else v for v in r] for r in rows])
     else:

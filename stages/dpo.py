@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
-from stages.checkpoints import Checkpoint, write_checkpoint
-from stages.common import ArtifactRef, StageContext, identity, resolve_policy, run_stage
+from stages.checkpoints import write_update
+from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
 from stages.reward_ref import RewardRef
 from stages.update.data import read_scored
 from stages.update.dpo import DPOConfig, pair_tokens, train_dpo
 from stages.update.pairs import preference_pairs
 from storage.checkpoints import local_copy
-from storage.ids import config_hash
 
 
 def run(config: DPOConfig, ctx: StageContext, parent_policy: str, batches: list[str], reward: RewardRef) -> ArtifactRef:
@@ -61,19 +61,13 @@ def run(config: DPOConfig, ctx: StageContext, parent_policy: str, batches: list[
             metrics.update(loss=last["loss"], **{k.replace("/", "_"): v for k, v in last.items()
                                                  if k.startswith("rewards/")})
 
-        step = ctx.ws.catalog.get_checkpoint(parent_policy)["step"] + 1
-        trained_on = {"batches": batches, "reward": str(reward)}
-        state = {"policy_id": policy_id, "parent_id": parent_policy, "step": step, "trained_on": trained_on,
-                 "config": identity(config), "history": history, "metrics": metrics,
-                 "pairs": [[p.chosen_id, p.rejected_id] for p in pairs]}
-
-        def save(folder):
+        def save(folder: Path, state: dict) -> None:
             model.save_pretrained(folder, safe_serialization=True)
             (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
-        write_checkpoint(ctx, Checkpoint(policy_id, parent_id=parent_policy, base_model=base_model, kind="dpo", step=step,
-                                         config_hash=config_hash(identity(config)), mlflow_run_id=mlflow_run_id,
-                                         trained_on=trained_on), save=save)
+        write_update(ctx, kind="dpo", policy_id=policy_id, parent_id=parent_policy, base_model=base_model,
+                     batches=batches, reward=reward, config=config, mlflow_run_id=mlflow_run_id, save=save,
+                     state={"history": history, "metrics": metrics, "pairs": [[p.chosen_id, p.rejected_id] for p in pairs]})
         return metrics
 
     return run_stage(ctx, "dpo", "checkpoint", inputs=[parent_policy, *batches], config=config, body=body,

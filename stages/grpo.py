@@ -16,15 +16,14 @@ torch, transformers and peft are imported inside functions: importing this modul
 
 from __future__ import annotations
 
-from stages.checkpoints import Checkpoint, write_checkpoint
-from stages.common import ArtifactRef, StageContext, identity, resolve_policy, run_stage
+from stages.checkpoints import write_update
+from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
 from stages.reward_ref import RewardRef
 from stages.update import workers
 from stages.update.config import GRPOConfig
 from stages.update.data import read_training_data, staleness
 from stages.update.train import load_for_update, make_optimizer, save_update
 from storage.checkpoints import local_copy
-from storage.ids import config_hash
 
 
 def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list[str], reward: RewardRef) -> ArtifactRef:
@@ -65,14 +64,10 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
             metrics.update(history[-1], first_pass_ratio_mean=history[0]["ratio_mean"],
                            tokens_per_s=sum(m["tokens"] for m in history) / seconds)
 
-        step = ctx.ws.catalog.get_checkpoint(parent_policy)["step"] + 1
-        trained_on = {"batches": batches, "reward": str(reward)}
-        state = {"policy_id": policy_id, "parent_id": parent_policy, "step": step, "trained_on": trained_on,
-                 "config": identity(config), "temperature": data.temperature, "epochs": history, "metrics": metrics}
-        write_checkpoint(ctx, Checkpoint(policy_id, parent_id=parent_policy, base_model=base_model, kind="grpo", step=step,
-                                         config_hash=config_hash(identity(config)), mlflow_run_id=mlflow_run_id,
-                                         trained_on=trained_on),
-                         save=lambda folder: save_update(folder, model, optimizer, state))
+        write_update(ctx, kind="grpo", policy_id=policy_id, parent_id=parent_policy, base_model=base_model,
+                     batches=batches, reward=reward, config=config, mlflow_run_id=mlflow_run_id,
+                     state={"temperature": data.temperature, "epochs": history, "metrics": metrics},
+                     save=lambda folder, state: save_update(folder, model, optimizer, state))
         if resident is not None:  # the next rollout uses these weights straight from memory
             ctx.session.updated(resident, policy_id)
         return metrics

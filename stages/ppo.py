@@ -17,13 +17,12 @@ import json
 import time
 from pathlib import Path
 
-from stages.checkpoints import Checkpoint, write_checkpoint
-from stages.common import ArtifactRef, StageContext, identity, resolve_policy, run_stage
+from stages.checkpoints import write_update
+from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
 from stages.reward_ref import RewardRef
 from stages.update.data import read_scored, sampling_temperature
 from stages.update.ppo import Episode, PPOConfig, load_value_model, save_value_model, train_ppo
 from storage.checkpoints import local_copy
-from storage.ids import config_hash
 
 
 def run(config: PPOConfig, ctx: StageContext, parent_policy: str, batches: list[str], reward: RewardRef) -> ArtifactRef:
@@ -58,19 +57,14 @@ def run(config: PPOConfig, ctx: StageContext, parent_policy: str, batches: list[
                            tokens=history[0]["tokens"] * config.epochs,
                            tokens_per_s=history[0]["tokens"] * config.epochs / seconds)
 
-        step = ctx.ws.catalog.get_checkpoint(parent_policy)["step"] + 1
-        trained_on = {"batches": batches, "reward": str(reward)}
-        state = {"policy_id": policy_id, "parent_id": parent_policy, "step": step, "trained_on": trained_on,
-                 "config": identity(config), "temperature": temperature, "epochs": history, "metrics": metrics}
-
-        def save(folder: Path) -> None:
+        def save(folder: Path, state: dict) -> None:
             policy.save_pretrained(folder, safe_serialization=True)
             save_value_model(critic, folder / "value")
             (folder / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
-        write_checkpoint(ctx, Checkpoint(policy_id, parent_id=parent_policy, base_model=base_model, kind="ppo", step=step,
-                                         config_hash=config_hash(identity(config)), mlflow_run_id=mlflow_run_id,
-                                         trained_on=trained_on), save=save)
+        write_update(ctx, kind="ppo", policy_id=policy_id, parent_id=parent_policy, base_model=base_model,
+                     batches=batches, reward=reward, config=config, mlflow_run_id=mlflow_run_id, save=save,
+                     state={"temperature": temperature, "epochs": history, "metrics": metrics})
         return metrics
 
     return run_stage(ctx, "ppo", "checkpoint", inputs=[parent_policy, *batches], config=config, body=body,

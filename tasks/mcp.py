@@ -23,7 +23,9 @@ async. Each server gets one `McpConnection`: an event loop thread holding the cl
 by every task built for that server in this process (rollout workers, evaluation and config checks
 load the task again; a stdio server is started once). A stdio server is a child process reading our
 stdin pipe: it ends with the connection's close (at exit) or, if this process dies, when the pipe
-closes (an MCP stdio server exits at end of input).
+closes (an MCP stdio server exits at end of input). Its stderr (the SDK logs every request at INFO
+there) goes to the `tasks.mcp` logger line by line, which a run writes to its log file
+(flows/console.py), not to the console.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import atexit
 import concurrent.futures
 import importlib
 import json
+import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -43,10 +47,34 @@ from tasks.base import Prompt, Task, load_task, write_chat_jsonl
 
 # A stdio server's first start imports its SDK and its own code: seconds on a loaded machine.
 START_TIMEOUT_S = 60.0
+log = logging.getLogger(__name__)
 
 
 class McpToolError(RuntimeError):
     """A tool call the server answered with `is_error`, or one that failed on the way (the message says which)."""
+
+
+class StderrToLog:
+    """A pipe for a stdio server's stderr: a thread logs each line to `tasks.mcp` at INFO until the
+    server and this side (`close`) have both closed their ends."""
+
+    def __init__(self, server: str) -> None:
+        read_fd, write_fd = os.pipe()
+        self.stream = os.fdopen(write_fd, "w")  # what the SDK hands the subprocess as its stderr
+        self._thread = threading.Thread(target=self._pump, args=(os.fdopen(read_fd, errors="replace"), server),
+                                        name="mcp-stderr", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _pump(lines: Any, server: str) -> None:
+        with lines:
+            for line in lines:
+                log.info("%s: %s", server, line.rstrip("\n"))
+
+    def close(self) -> None:
+        """Close this side's end; wait (bounded) for the server's last lines to be logged."""
+        self.stream.close()
+        self._thread.join(5.0)
 
 
 class McpConnection:
@@ -58,6 +86,7 @@ class McpConnection:
         self.thread = threading.Thread(target=self.loop.run_forever, name="mcp-client", daemon=True)
         self.thread.start()
         self.client: Any = None
+        self._stderr = StderrToLog(describe(server)) if "command" in server else None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._stop: asyncio.Event | None = None
         self._held = asyncio.run_coroutine_threadsafe(self._hold(), self.loop)
@@ -76,7 +105,7 @@ class McpConnection:
 
         self._stop = asyncio.Event()
         try:
-            async with Client(_target(self.server)) as client:
+            async with Client(_target(self.server, self._stderr)) as client:
                 self.client = client
                 self._ready.set_result(None)
                 await self._stop.wait()
@@ -130,6 +159,8 @@ class McpConnection:
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5.0)
+        if self._stderr is not None:
+            self._stderr.close()
 
 
 def result_text(result: Any) -> str:
@@ -152,6 +183,8 @@ def connect(server: dict[str, Any]) -> McpConnection:
     with _LOCK:
         conn = _CONNECTIONS.get(key)
         if conn is None or not conn.alive:
+            if conn is not None:  # its session ended: stop its loop thread and stderr pipe
+                conn.close()
             conn = _CONNECTIONS[key] = McpConnection(server)
         return conn
 
@@ -197,16 +230,18 @@ def describe(server: dict[str, Any]) -> str:
     return server["url"] if "url" in server else " ".join(server["command"])
 
 
-def _target(server: dict[str, Any]) -> Any:
-    """What `mcp.Client` connects to: the URL, or the stdio parameters (env merged over the SDK's
-    default environment, which passes PATH and HOME but not the rest of ours)."""
+def _target(server: dict[str, Any], stderr: StderrToLog | None) -> Any:
+    """What `mcp.Client` connects to: the URL, or a stdio transport (env merged over the SDK's default
+    environment, which passes PATH and HOME but not the rest of ours; stderr into `stderr`'s pipe)."""
     if "url" in server:
         return server["url"]
     from mcp import StdioServerParameters
+    from mcp.client.stdio import stdio_client
 
     command, *args = server["command"]
     command = sys.executable if command == "python" else command  # rlops's own interpreter, whatever PATH says
-    return StdioServerParameters(command=command, args=args, env=server["env"] or None, cwd=server.get("cwd"))
+    params = StdioServerParameters(command=command, args=args, env=server["env"] or None, cwd=server.get("cwd"))
+    return stdio_client(params, errlog=stderr.stream)
 
 
 def _reason(e: BaseException) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,15 +30,10 @@ from pathlib import Path
 from types import TracebackType
 
 from tests.netguard import die_with_parent
+from tests.processes import free_port
 
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 NODE_IP = "127.0.0.2"  # as stages.cluster.LOCAL_NODE_IP: loopback, and not rewritten by Ray
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalRayCluster:

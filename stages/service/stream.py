@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -112,72 +112,72 @@ class TokenFeed:
             yield step
 
 
+def _chunker(rid: str, obj: str, model: str) -> Callable[..., str]:
+    """`chunk(choices, **extra)`: one chunk event of a response (`obj`: its OpenAI object type)."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return sse({"id": rid, "object": obj, "created": created, "model": model, "choices": choices} | extra)
+
+    return chunk
+
+
+async def _events_sse(events: AsyncIterator[tuple], *, opening: list[str], text: Callable[[int, str], str],
+                      finish: Callable[[dict[str, Any], str], Iterator[str]], chunk: Callable[..., str],
+                      include_usage: bool) -> AsyncIterator[str]:
+    """The one loop from PolicyService's events to SSE lines, for both endpoints: `opening`, then
+    `text(index, delta)` per text event; an error event ends the stream with an error body; the done
+    event gives `finish(choice, rest)` per choice, the usage chunk when asked, and `[DONE]`."""
+    for line in opening:
+        yield line
+    async for event in events:
+        if event[0] == "text":
+            yield text(event[1], event[2])
+        elif event[0] == "error":
+            yield sse(error_body(event[1], "server_error"))
+            return
+        else:
+            _, choices, rests, usage = event
+            for c, rest in zip(choices, rests):
+                for line in finish(c, rest):
+                    yield line
+            if include_usage:
+                yield chunk([], usage=usage)
+            yield DONE
+
+
 def chat_sse(rid: str, model: str, n: int, include_usage: bool, events: AsyncIterator[tuple]) -> AsyncIterator[str]:
     """A chat completion's events (PolicyService.chat_deltas) in OpenAI's chunk format: the role delta
     per choice, content deltas, then per choice the rest of its content, its tool calls (`index` on
     each fragment; `id`, `type` and `name` in the first only), its finish chunk (`delta: {}`, the
     log-probs whole when asked); the usage chunk (`choices: []`) when asked; `[DONE]`."""
-    created = int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices} | extra)
+    chunk = _chunker(rid, "chat.completion.chunk", model)
 
     def delta(i: int, d: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
         return chunk([{"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}])
 
-    async def stream() -> AsyncIterator[str]:
-        for i in range(n):
-            yield delta(i, {"role": "assistant", "content": "", "refusal": None})
-        async for event in events:
-            if event[0] == "text":
-                yield delta(event[1], {"content": event[2]})
-            elif event[0] == "error":
-                yield sse(error_body(event[1], "server_error"))
-                return
-            else:
-                _, choices, rests, usage = event
-                for c, rest in zip(choices, rests):
-                    i, message = c["index"], c["message"]
-                    if rest:
-                        yield delta(i, {"content": rest})
-                    for k, call in enumerate(message.get("tool_calls", [])):
-                        yield delta(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                                        "function": {"name": call["function"]["name"], "arguments": ""}}]})
-                        yield delta(i, {"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
-                    yield delta(i, {}, c["finish_reason"], c["logprobs"])
-                if include_usage:
-                    yield chunk([], usage=usage)
-                yield DONE
+    def finish(c: dict[str, Any], rest: str) -> Iterator[str]:
+        i, message = c["index"], c["message"]
+        if rest:
+            yield delta(i, {"content": rest})
+        for k, call in enumerate(message.get("tool_calls", [])):
+            yield delta(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                            "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            yield delta(i, {"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
+        yield delta(i, {}, c["finish_reason"], c["logprobs"])
 
-    return stream()
+    return _events_sse(events, opening=[delta(i, {"role": "assistant", "content": "", "refusal": None}) for i in range(n)],
+                       text=lambda i, t: delta(i, {"content": t}), finish=finish, chunk=chunk, include_usage=include_usage)
 
 
 def completion_sse(rid: str, model: str, include_usage: bool, events: AsyncIterator[tuple]) -> AsyncIterator[str]:
     """A completion's events in OpenAI's `text_completion` chunk format: text deltas per choice, each
     choice's last chunk (the rest of its text, `finish_reason`, its log-probs when asked), the usage
     chunk (`choices: []`) when asked, `[DONE]`."""
-    created = int(time.time())
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices} | extra)
+    chunk = _chunker(rid, "text_completion", model)
 
     def text(i: int, t: str, finish: str | None = None, logprobs: Any = None) -> str:
         return chunk([{"index": i, "text": t, "logprobs": logprobs, "finish_reason": finish}])
 
-    async def stream() -> AsyncIterator[str]:
-        async for event in events:
-            if event[0] == "text":
-                yield text(event[1], event[2])
-            elif event[0] == "error":
-                yield sse(error_body(event[1], "server_error"))
-                return
-            else:
-                _, choices, rests, usage = event
-                for c, rest in zip(choices, rests):
-                    yield text(c["index"], rest, c["finish_reason"], c["logprobs"])
-                if include_usage:
-                    yield chunk([], usage=usage)
-                yield DONE
-
-    return stream()
+    return _events_sse(events, opening=[], text=text, chunk=chunk, include_usage=include_usage,
+                       finish=lambda c, rest: iter([text(c["index"], rest, c["finish_reason"], c["logprobs"])]))

@@ -105,7 +105,7 @@ def trainer_for(model: Any, tokenizer: Any, pairs: list[PreferencePair], config:
         gradient_accumulation_steps=config.pairs_per_step // config.micro_batch_size,
         max_grad_norm=config.max_grad_norm, beta=config.beta, loss_type=[config.loss_type],
         seed=config.seed, data_seed=config.seed, max_length=None, remove_unused_columns=False,
-        gradient_checkpointing=config.activation_checkpointing, use_cpu=not cuda, bf16=cuda,
+        activation_checkpointing=config.activation_checkpointing, use_cpu=not cuda, bf16=cuda,
         dataloader_num_workers=0, disable_dropout=True, precompute_ref_log_probs=False,
     )
     trainer = _trainer_class()(model=model, args=args, processing_class=tokenizer,

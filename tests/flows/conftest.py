@@ -1,18 +1,13 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
 import pytest
 
-from tests.netguard import die_with_parent
+from tests.processes import free_port, start_server, stop
 
 
 @pytest.fixture(scope="session")
@@ -55,12 +50,6 @@ def no_prefect_api(monkeypatch):
     return os.environ
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[str]:
     """A real `prefect server start` on 127.0.0.1 (its own home and database); yields its API URL."""
@@ -68,21 +57,10 @@ def prefect_server(tmp_path: Path) -> Iterator[str]:
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "server-home"), "PREFECT_UI_ENABLED": "false",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 240
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, "prefect server did not start"
-        time.sleep(1)
+    proc = start_server([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                        url + "/health", status=200, timeout=240, env=env, every=1.0)
     try:
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop(proc, timeout=60)

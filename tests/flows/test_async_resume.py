@@ -4,10 +4,8 @@ and rows of an uninterrupted run: the same ids, nothing lost, nothing duplicated
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -18,6 +16,7 @@ from flows.run_config import from_dict
 from stages.common import StageContext
 from storage.workspace import Workspace
 from tests.flows.test_async import async_config
+from tests.processes import kill, wait_until
 
 
 def _state(ws: Workspace) -> dict[str, object]:
@@ -54,13 +53,10 @@ def test_async_run_killed_midflight_resumes_to_the_uninterrupted_artifacts(tmp_p
     def grpo_checkpoints() -> int:
         return pq.read_table(snapshot)["kind"].to_pylist().count("grpo") if snapshot.exists() else 0
 
-    deadline = time.time() + 900
-    while grpo_checkpoints() < 1:  # step 0 trained; batches 1 and 2 are being (or have been) generated
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # step 0 trained; batches 1 and 2 are being (or have been) generated
+    wait_until(lambda: grpo_checkpoints() >= 1, proc, "the first GRPO checkpoint (it ended before it could be killed)",
+               timeout=900, every=0.2)
+    kill(proc, group=True)
     assert grpo_checkpoints() < steps
 
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)

@@ -18,9 +18,9 @@ from flows.run_config import from_dict
 from stages.common import StageContext
 from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
-from tests.flows.conftest import free_port
+from tests.processes import free_port, stop
 from tests.scripted_model import train_scripted
-from tests.stages.service.test_agent_service import start_service, stop_service
+from tests.stages.service.test_agent_service import start_service
 
 REPO = Path(__file__).resolve().parents[2]
 JS = REPO / "examples" / "doc_search_js"
@@ -76,7 +76,7 @@ def test_a_javascript_agent_trains_one_grpo_step(tmp_path, js_model_dir):
         ws = Workspace.open(tmp_path / "ws")
         result = pipeline.train(cfg, StageContext(ws, run_name="js-agent"))
     finally:
-        stop_service(proc)
+        stop(proc)
     assert len(result.policies) == 1 and ws.catalog.get_checkpoint(result.final)["step"] == 1
     rows = from_table(ws.read_artifact(result.batches[0]), Rollout) + \
         from_table(ws.query("SELECT * FROM rollouts WHERE split = 'test'"), Rollout)

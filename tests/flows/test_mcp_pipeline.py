@@ -13,9 +13,9 @@ from flows.run_config import from_dict
 from stages.common import StageContext
 from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
-from tests.flows.conftest import free_port
+from tests.processes import free_port, stop
 from tests.scripted_model import ANSWER, QUESTION, SYSTEM, TOOL_RESULT, scripted_model_dir  # noqa: F401
-from tests.tasks.test_mcp import TEST_SERVER, start_http, stop
+from tests.tasks.test_mcp import TEST_SERVER, start_http
 
 
 def _config(tmp_path: Path, model_dir: Path, server: dict, name: str) -> dict:

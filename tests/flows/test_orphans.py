@@ -5,11 +5,9 @@ and continues the same parent run."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
@@ -21,6 +19,7 @@ from mlflow.tracking import MlflowClient
 from flows.resume import DRIVER_TAG, INTERRUPTED_TAG, RunInProgress, parent_run, this_driver
 from storage.workspace import Workspace
 from tests.flows.conftest import expected_rows, tiny_config
+from tests.processes import kill, wait_until
 
 # A driver that starts the temporary server exactly as `rlops run` does (`run_here`), then runs a
 # flow that signals it is running and waits for a "go" file.
@@ -63,19 +62,10 @@ def _descendants(pid: int, marker: str) -> list[psutil.Process]:
     return found
 
 
-def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while not (found := predicate()):
-        assert proc.poll() is None, f"the driver exited ({proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
-    return found
-
-
 def _server_and_watchdog(driver: subprocess.Popen) -> tuple[psutil.Process, psutil.Process]:
-    server = _wait_for(lambda: _descendants(driver.pid, "prefect.server.api.server:create_app"), driver,
-                       "the temporary Prefect server started")
-    watchdog = _wait_for(lambda: _descendants(driver.pid, "flows.server_watchdog"), driver, "the watchdog started")
+    server = wait_until(lambda: _descendants(driver.pid, "prefect.server.api.server:create_app"), driver,
+                        "the temporary Prefect server started")
+    watchdog = wait_until(lambda: _descendants(driver.pid, "flows.server_watchdog"), driver, "the watchdog started")
     assert len(server) == 1 and len(watchdog) == 1
     return server[0], watchdog[0]
 
@@ -83,8 +73,7 @@ def _server_and_watchdog(driver: subprocess.Popen) -> tuple[psutil.Process, psut
 def _clean_up(driver: subprocess.Popen, *others: psutil.Process | None) -> None:
     """Whatever a failed test left: the driver's process group, then the server and watchdog."""
     if driver.poll() is None:
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait()
+        kill(driver, group=True)
     _reap_leftovers([p for p in others if p is not None])
 
 
@@ -111,13 +100,12 @@ def test_temporary_prefect_server_exits_with_its_driver(tmp_path, moment):
     try:
         server, watchdog = _server_and_watchdog(driver)
         if moment != "server-starting":
-            _wait_for(ready.exists, driver, "the flow ran")
+            wait_until(ready.exists, driver, "the flow ran")
         if moment == "normal-exit":
             go.touch()
             assert driver.wait(timeout=300) == 0
         else:
-            os.kill(driver.pid, signal.SIGKILL)  # the driver only, as the OOM killer does
-            driver.wait()
+            kill(driver, group=False)  # the driver only, as the OOM killer does
         assert _reap_leftovers([server, watchdog]) == []
     finally:
         _clean_up(driver, server, watchdog)
@@ -173,14 +161,13 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
     server = watchdog = None
     try:
         server, watchdog = _server_and_watchdog(driver)
-        _wait_for(lambda: snapshot.exists() and "grpo" in pq.read_table(snapshot)["kind"].to_pylist(), driver,
-                  "the first GRPO checkpoint", timeout=900, every=0.2)
+        wait_until(lambda: snapshot.exists() and "grpo" in pq.read_table(snapshot)["kind"].to_pylist(), driver,
+                   "the first GRPO checkpoint", timeout=900, every=0.2)
         gate.touch()  # the next stage that scores holds
-        _wait_for(held.exists, driver, "a stage held by the gated reward", timeout=900, every=0.2)
+        wait_until(held.exists, driver, "a stage held by the gated reward", timeout=900, every=0.2)
         parent = pq.read_table(runs_snapshot).to_pylist()[0]["mlflow_run_id"]
         held_stages = {r.info.run_id: r.data.tags["rlops.artifact_id"] for r in _children(client, parent, "RUNNING")}
-        os.kill(driver.pid, signal.SIGKILL)  # the driver only, as the OOM killer does
-        driver.wait()
+        kill(driver, group=False)  # the driver only, as the OOM killer does
         assert _reap_leftovers([server, watchdog]) == []
     finally:
         _clean_up(driver, server, watchdog)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import mlflow
 import yaml
@@ -19,6 +17,7 @@ from stages.common import StageContext
 from storage.catalog import read_snapshot
 from storage.workspace import Workspace
 from tests.flows.conftest import expected_rows, tiny_config
+from tests.processes import kill, wait_until
 
 
 def _counts(ws: Workspace) -> dict[str, int]:
@@ -96,13 +95,9 @@ def test_cli_run_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir
     def grpo_checkpoints() -> int:
         return read_snapshot(snapshot)["kind"].to_pylist().count("grpo") if snapshot.exists() else 0
 
-    deadline = time.time() + 600
-    while grpo_checkpoints() < 1:
-        assert proc.poll() is None, "the flow ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    wait_until(lambda: grpo_checkpoints() >= 1, proc, "the first GRPO checkpoint (it ended before it could be killed)",
+               timeout=600, every=0.2)
+    kill(proc, group=True)
     assert grpo_checkpoints() < steps
 
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from stages.update.data import Sample, training_data
 from stages.update.train import train_on_batch
 from storage.schema import RewardRow, Rollout, to_table
 from storage.workspace import Workspace
+from tests.processes import kill, wait_until
 
 VOCAB = 64
 TARGET = 8  # toy task: reward = fraction of completion tokens with id < TARGET (1/8 of them at random)
@@ -362,13 +362,9 @@ def test_killed_stage_leaves_no_partial_checkpoint(tmp_path: Path, phase: str) -
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(ws.root), parent, batch, STAGE.model_dump_json(), phase,
                              str(marker)], cwd=repo)
-    deadline = time.time() + 300
-    while not marker.exists():
-        assert proc.poll() is None and time.time() < deadline, "the stage ended before it could be killed"
-        time.sleep(0.05)
+    wait_until(marker.exists, proc, f"the stage reached {phase} (it ended before it could be killed)")
     time.sleep(0.5 if phase == "train" else 0)  # some optimizer steps in
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill(proc, group=False)
 
     ckpts = ws.settings.checkpoints_dir
     leftover = sorted(p.name for p in ckpts.iterdir()) if ckpts.exists() else []

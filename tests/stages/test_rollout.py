@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 from stages import rollout
 from stages.common import StageContext, base_policy
 from storage.schema import ROLLOUTS, Rollout, from_table
 from storage.catalog import read_snapshot
 from storage.workspace import Workspace
+from tests.processes import kill, wait_until
 
 TASK = rollout.TaskSpec(name="arithmetic", params={"n_train": 50, "n_test": 10})
 
@@ -69,13 +68,8 @@ def test_batch_killed_midway_resumes_without_duplicates_or_gaps(tmp_path, tiny_m
     def registered() -> int:
         return read_snapshot(snapshot).num_rows if snapshot.exists() else 0
 
-    deadline = time.time() + 300
-    while registered() < 2:
-        assert proc.poll() is None, "the rollout finished before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    wait_until(lambda: registered() >= 2, proc, "two shards were registered (it finished before it could be killed)")
+    kill(proc, group=False)
     shards_before = registered()
     assert 2 <= shards_before < n
 

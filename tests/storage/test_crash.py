@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
+from tests.processes import kill, wait_until
 from tests.storage.conftest import add_batch
 
 WRITER = textwrap.dedent("""
@@ -35,12 +34,9 @@ def test_writer_killed_mid_write_leaves_nothing_visible(ws):
     folder = Path(ws.data.artifact_dir("rollouts", "ro-big"))
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(ws.root)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
-    deadline = time.time() + 60
-    while not (folder.exists() and any(p.name.endswith(".tmp") for p in folder.iterdir())):
-        assert time.time() < deadline and proc.poll() is None, "writer finished before it could be killed"
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    wait_until(lambda: folder.exists() and any(p.name.endswith(".tmp") for p in folder.iterdir()), proc,
+               "a .tmp file was written (it finished before it could be killed)", timeout=60, every=0.002)
+    kill(proc, group=False)
 
     assert [p for p in folder.iterdir() if p.suffix == ".parquet"] == []  # only the hidden .tmp remains
     assert ws.query("SELECT * FROM files ORDER BY path").to_pylist() == files_before

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from storage.workspace import Workspace
-from tests.netguard import die_with_parent
-from tests.ray_cluster import free_port
+from tests.processes import free_port, kill, start_server, stop, wait_until
 from tests.storage.conftest import add_batch
 
 BUCKET = "rlops-test"
@@ -31,17 +27,8 @@ BUCKET = "rlops-test"
 def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, str]]:
     """A moto S3 server on 127.0.0.1 with an empty bucket; the AWS variables point at it."""
     port = free_port()
-    log = open(tmp_path / "moto.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "moto.log").read_text()
-            time.sleep(0.2)
+    proc = start_server([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+                        f"http://127.0.0.1:{port}/", timeout=60)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "RLOPS_DATA_ROOT": f"s3://{BUCKET}/data"}
@@ -53,8 +40,7 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, st
     try:
         yield env
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc)
 
 
 def _keys(prefix: str = "") -> list[str]:
@@ -146,12 +132,9 @@ def test_killed_write_leaves_nothing_visible_on_s3(s3, tmp_path):
                             env={**os.environ})
     assert proc.stdout.readline().strip() == "writing"
     client = boto3.client("s3")
-    deadline = time.time() + 120
-    while not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads"):  # parts are being uploaded
-        assert time.time() < deadline and proc.poll() is None, "writer finished before it could be killed"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    wait_until(lambda: client.list_multipart_uploads(Bucket=BUCKET).get("Uploads"), proc,  # parts are being uploaded
+               "parts were uploaded (it finished before it could be killed)", timeout=120, every=0.005)
+    kill(proc, group=False)
 
     # An upload never completed is no object (pyarrow's empty "folder/" marker is not a file).
     assert [k for k in _keys("data/rollouts/ro-big/") if not k.endswith("/")] == []

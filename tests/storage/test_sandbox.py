@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -99,10 +100,10 @@ def test_rlops_sql_works_while_another_process_holds_the_catalog_for_writing(fil
         out = subprocess.run(
             [sys.executable, "-m", "flows.cli", "sql", "--workspace", str(filled.root), "--format", "csv",
              "SELECT count(*) AS n FROM rollouts JOIN rewards USING (rollout_id)"],
-            capture_output=True, text=True, timeout=60, env={**os.environ},
+            capture_output=True, timeout=60, env={**os.environ},
         )
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.splitlines() == ["n", "8"]
+        assert out.returncode == 0, out.stderr.decode()
+        assert out.stdout == b"n\n8\n"  # bytes: lines end with \n, so $(rlops sql ... | tail -1) has no \r
     finally:
         holder.kill()
         holder.wait()
@@ -119,3 +120,11 @@ def test_cli_exit_codes_for_bad_and_refused_sql(filled):
     assert refused.returncode == 2 and "refused" in refused.stderr
     missing = run("SELECT * FROM no_such_table")
     assert missing.returncode == 1 and "no_such_table" in missing.stderr
+
+
+def test_csv_output_ends_lines_with_newline_and_quotes_cells():
+    from flows.registry import print_rows
+
+    out = io.StringIO()
+    print_rows(["id", "note"], [["b1", "a, b"], ["b2", None]], fmt="csv", out=out)
+    assert out.getvalue() == 'id,note\nb1,"a, b"\nb2,\n'

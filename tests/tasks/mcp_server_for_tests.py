@@ -55,4 +55,5 @@ if __name__ == "__main__":
     if args.http:
         server.run("streamable-http", host="127.0.0.1", port=args.port)
     else:
+        print("scripted MCP server: serving on stdio", file=sys.stderr, flush=True)  # tests/tasks/test_mcp.py reads where it goes
         server.run()

@@ -4,14 +4,13 @@ errors recorded as the agent loop records a built-in tool's."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from stages.policy.agent_loop import call_tools
@@ -19,6 +18,7 @@ from storage.schema import ToolCall
 from tasks import mcp
 from tasks.base import content_digest, load_task
 from tests.netguard import die_with_parent
+from tests.processes import free_port, start_server, stop
 from tests.scripted_model import TOOL_RESULT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,36 +27,15 @@ TEST_SERVER = REPO / "tests" / "tasks" / "mcp_server_for_tests.py"
 
 
 def start_http(script: Path, port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`script --http --port PORT` on 127.0.0.1 (with `env` added), waited for until it answers; the caller stops it."""
-    proc = subprocess.Popen([sys.executable, str(script), "--http", "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
-                            env={**os.environ, **(env or {})})
-    deadline = time.time() + 120
-    while True:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/mcp", timeout=2)  # any answer (406 without an MCP Accept) is up
-            return proc
-        except httpx.HTTPError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError(f"{script.name} did not start on port {port}")
-            time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """`script --http --port PORT` on 127.0.0.1 (with `env` added), waited for until it answers (any
+    answer: 406 without an MCP Accept header); the caller stops it (tests.processes.stop)."""
+    return start_server([sys.executable, str(script), "--http", "--port", str(port)], f"http://127.0.0.1:{port}/mcp",
+                        env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
 def example_http_url() -> Iterator[str]:
     """The doc_search example served over streamable HTTP on a free 127.0.0.1 port."""
-    from tests.flows.conftest import free_port
-
     port = free_port()
     proc = start_http(EXAMPLE, port)
     yield f"http://127.0.0.1:{port}/mcp"
@@ -165,3 +144,30 @@ def test_a_stdio_server_dies_with_the_process_that_started_it(tmp_path):
         server.wait(30)  # raises TimeoutExpired if the server outlives its owner
     finally:
         owner.kill()
+
+
+def test_a_stdio_servers_stderr_goes_to_the_log_not_the_console(tmp_path, capfd, caplog):
+    # A server of its own (the env differs from other tests'), so this connection starts it.
+    server = mcp.check_server({"command": ["python", str(TEST_SERVER)], "env": {"RLOPS_TEST_MCP_LOG": str(tmp_path / "l")}})
+    caplog.set_level(logging.INFO, logger="tasks.mcp")
+    conn = mcp.McpConnection(server)
+    try:
+        assert conn.call("search", {"query": "q"}, timeout=30) == TOOL_RESULT
+    finally:
+        conn.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "tasks.mcp"]
+    assert any(line.endswith("scripted MCP server: serving on stdio") for line in logged), logged
+    assert "serving on stdio" not in capfd.readouterr().err  # the server's stderr is not this process's
+
+
+def test_a_runs_console_shows_no_stdio_server_output_and_its_log_file_has_it(tmp_path):
+    # As `rlops run` sets up its console (flows/console.py), in a process of its own: that is global state.
+    script = ("import json, sys; from pathlib import Path; from flows.console import quiet_console; from tasks import mcp; "
+              "quiet_console(Path(sys.argv[1])); "
+              f"c = mcp.connect(mcp.check_server({{'command': ['python', {str(TEST_SERVER)!r}]}})); "
+              "print(c.call('search', {'query': 'q'}, timeout=30)[:4]); c.close()")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == TOOL_RESULT[:4] and "serving on stdio" not in out.stdout + out.stderr
+    assert "tasks.mcp INFO" in (log := (tmp_path / "logs" / "rlops.log").read_text()) and "serving on stdio" in log

@@ -1,4 +1,6 @@
-"""The doc_search agent written with LangGraph (a prebuilt ReAct graph) on langchain-openai's ChatOpenAI.
+"""The doc_search agent written with LangChain's `create_agent` (a LangGraph graph: model and tools
+nodes in a loop; it replaces the deprecated `langgraph.prebuilt.create_react_agent`) on langchain-openai's
+ChatOpenAI.
 
 Trained unchanged by rlops (the entry's endpoint form, docs/TASKS.md "Framework agents"):
 
@@ -15,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from langchain.agents import create_agent
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
-from langgraph.prebuilt import create_react_agent
 
 
 def _doc_search() -> Any:
@@ -49,7 +51,7 @@ def read(doc_id: str) -> str:
 async def rollout(endpoint: Any, prompt: str) -> dict[str, Any] | None:
     """One question; the graph's final state (its `messages`: HumanMessage, AIMessage, ToolMessage)."""
     llm = ChatOpenAI(model=endpoint.model, base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
-    agent = create_react_agent(llm, [search, read], prompt=kb.SYSTEM_PROMPT)
+    agent = create_agent(llm, [search, read], system_prompt=kb.SYSTEM_PROMPT)
     try:
         # A model step and a tool step per turn: the same budget as the plain example's MAX_TURNS.
         return await agent.ainvoke({"messages": [{"role": "user", "content": prompt}]},

@@ -5,11 +5,8 @@ views' shared run (tests/flows/views/conftest.py).
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,47 +14,21 @@ from bs4 import BeautifulSoup
 
 from storage.workspace import Workspace
 from tests.flows.views.conftest import RUN, cli, dump_dom, needs_chromium
+from tests.processes import free_port, start_server, stop
 
 pytestmark = pytest.mark.slow  # the shared run takes a few minutes on 2 cores
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(argv: list[str], env: dict[str, str], port: int, ready_path: str) -> subprocess.Popen:
     """Start a UI server (its own session, so it stops with its children) and wait until it answers."""
-    import httpx
-
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, f"{argv[:4]} exited with {proc.returncode}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{argv[:4]} did not come up"
-        time.sleep(1)
+    return start_server(argv, f"http://127.0.0.1:{port}{ready_path}", status=200, timeout=240, env=env, every=1.0)
 
 
 def _serve_ui(ws: Workspace, tool: str, ready_path: str) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
     argv = [sys.executable, "-m", "flows.cli", "ui", tool, "--port", str(port), "--workspace", str(ws.root)]
     return _serve(argv, env, port, ready_path), port
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _prefect_page(url: str) -> tuple[str, str]:
@@ -77,13 +48,13 @@ def test_prefect_ui_shows_the_run(run_ws: Workspace) -> None:
         name = httpx.get(f"http://127.0.0.1:{port}/api/flow_runs/{flow_run}").json()["name"]
         text, toasts = _prefect_page(f"http://127.0.0.1:{port}/runs/flow-run/{flow_run}")
     finally:
-        _stop(proc)
+        stop(proc)
     assert name in text and "rlops-train" in text and "Completed" in text
     assert toasts == ""
 
     # The control: the same server without PREFECT_UI_API_URL (the README's old advice on another
     # port) shows the error toast and not the run, so the checks above can tell the two apart.
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_UI_API_URL")}
     env.update(PREFECT_HOME=str(run_ws.root / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     proc = _serve([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -91,7 +62,7 @@ def test_prefect_ui_shows_the_run(run_ws: Workspace) -> None:
     try:
         text, toasts = _prefect_page(f"http://127.0.0.1:{port}/runs/flow-run/{flow_run}")
     finally:
-        _stop(proc)
+        stop(proc)
     assert name not in text and "Can't connect to Server API" in toasts
 
 
@@ -106,7 +77,7 @@ def test_mlflow_ui_shows_the_run(run_ws: Workspace) -> None:
         missing = BeautifulSoup(dump_dom(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{'0' * 32}",
                                           budget_ms=20000), "html.parser")
     finally:
-        _stop(proc)
+        stop(proc)
     text = dom.get_text(" ")
     # the run page: its name, its tags and its curves' metric names
     assert f"pipeline:{RUN}" in text and "rlops.final_model_id" in text and "heldout/accuracy" in text

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from stages import rollout
@@ -19,36 +17,16 @@ from stages.common import StageContext, base_policy, identity
 from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
 from tasks.base import load_task
-from tests.flows.conftest import free_port
-from tests.netguard import die_with_parent
+from tests.processes import free_port, start_server, stop
 from tests.scripted_model import ANSWER, TOOL_RESULT, scripted_model_dir  # noqa: F401
 
 SERVICE = Path(__file__).with_name("agent_service_for_tests.py")
 
 
 def start_service(argv: list[str], port: int, cwd: Path | None = None) -> subprocess.Popen:
-    """An agent service process (`argv` + `--port PORT`), waited for until GET /version answers."""
-    proc = subprocess.Popen(argv + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd,
-                            start_new_session=True, preexec_fn=die_with_parent)
-    deadline = time.time() + 60
-    while True:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/version", timeout=2)
-            return proc
-        except httpx.HTTPError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError(f"{argv} did not start: {proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.2)
-
-
-def stop_service(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """An agent service process (`argv` + `--port PORT`), waited for until GET /version answers; the
+    caller stops it (tests.processes.stop)."""
+    return start_server(argv + ["--port", str(port)], f"http://127.0.0.1:{port}/version", timeout=60, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +34,7 @@ def service_url() -> Iterator[str]:
     port = free_port()
     proc = start_service([sys.executable, str(SERVICE)], port)
     yield f"http://127.0.0.1:{port}"
-    stop_service(proc)
+    stop(proc)
 
 
 def _prompts(path: Path, texts: list[str]) -> Path:

@@ -15,27 +15,21 @@ import openai
 import pytest
 
 from stages.policy.resident import ResidentPolicy
-from stages.service.app import ServerThread, build_app
 from stages.service.resolve import fixed_resolver
-from stages.service.service import PolicyService, ServiceConfig
+from stages.service.service import ServiceConfig
+from tests.service_fixtures import client_of, serving
 
 USER = [{"role": "user", "content": "Who founded Vexhollow Dynamics?"}]
 
 
 @pytest.fixture(scope="module")
 def service(tiny_model_dir: Path):
-    policy = ResidentPolicy.load(str(tiny_model_dir))
-    resolve, names = fixed_resolver("base", None)
-    svc = PolicyService(policy, resolve, ServiceConfig(default_max_tokens=48), names)
-    with ServerThread(build_app(svc)) as url:
-        svc.url = url
+    with serving(ResidentPolicy.load(str(tiny_model_dir)), fixed_resolver("base", None),
+                 ServiceConfig(default_max_tokens=48)) as svc:
         yield svc
-    svc.close()
 
 
-def _client(service, episode: str | None = None) -> openai.OpenAI:
-    headers = {"X-Episode-Id": episode} if episode else {}
-    return openai.OpenAI(base_url=service.url + "/v1", api_key="unused", default_headers=headers, max_retries=0)
+_client = client_of
 
 
 def test_top_logprobs_on_chat_and_completions(service):

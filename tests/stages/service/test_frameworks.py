@@ -42,10 +42,10 @@ def _watched() -> tuple[httpx.AsyncClient, list[dict[str, Any]]]:
 
 
 def test_langgraph_react_agent_ainvoke_and_astream(served):
+    from langchain.agents import create_agent
     from langchain_core.messages import AIMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
-    from langgraph.prebuilt import create_react_agent
 
     @tool
     def search(query: str) -> str:
@@ -58,7 +58,7 @@ def test_langgraph_react_agent_ainvoke_and_astream(served):
         # langchain-openai asks for no usage on a stream unless stream_usage=True.
         llm = ChatOpenAI(model="base", base_url=f"{served.url}/ep/{episode_id}/v1", api_key="unused",
                          temperature=0, max_retries=0, stream_usage=True, http_async_client=http)
-        agent = create_react_agent(llm, [search], prompt=SYSTEM)
+        agent = create_agent(llm, [search], system_prompt=SYSTEM)
         question = {"messages": [{"role": "user", "content": QUESTION}]}
         try:
             if not streamed:

@@ -53,10 +53,10 @@ def smol_served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from smolagents.models import get_tool_json_schema
 
     from stages.policy.resident import ResidentPolicy
-    from stages.service.app import ServerThread, build_app
     from stages.service.resolve import fixed_resolver
-    from stages.service.service import PolicyService, ServiceConfig
+    from stages.service.service import ServiceConfig
     from tasks.base import render_system_prompt
+    from tests.service_fixtures import serving
 
     agent = _agent("http://127.0.0.1:9/v1")  # only for its real system prompt and tool schemas
     tools = [get_tool_json_schema(t) for t in agent.tools.values()]
@@ -68,12 +68,8 @@ def smol_served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         {"role": "assistant", "content": f"<tool_call>{json.dumps(FINAL)}</tool_call>"},
     ]
     policy = ResidentPolicy.load(str(train_turns(tiny_model_dir, tmp_path_factory.mktemp("smol"), conversation)))
-    resolve, names = fixed_resolver("base", None)
-    svc = PolicyService(policy, resolve, ServiceConfig(batch_window_s=0.05, default_max_tokens=40), names)
-    with ServerThread(build_app(svc)) as url:
-        svc.url = url
+    with serving(policy, fixed_resolver("base", None), ServiceConfig(batch_window_s=0.05, default_max_tokens=40)) as svc:
         yield svc
-    svc.close()
 
 
 def test_smolagents_tool_calling_agent_plain_and_streamed(smol_served):

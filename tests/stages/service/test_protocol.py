@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.scripted_model import QUESTION, SYSTEM, TOOLS
-from tests.stages.service.conftest import client_of
+from tests.service_fixtures import client_of
 
 pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS
-from tests.stages.service.conftest import client_of
+from tests.service_fixtures import client_of
 
 pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
 
@@ -130,17 +130,12 @@ def test_the_agents_sdk_default_responses_model_runs_a_tool_using_episode(served
 
 
 def test_a_failure_during_a_streamed_response_ends_it_with_error_events(scripted_policy):
-    from stages.service.app import ServerThread, build_app
-    from stages.service.resolve import fixed_resolver
-    from stages.service.service import PolicyService, ServiceConfig
+    from tests.service_fixtures import broken_service
 
-    resolve, names = fixed_resolver("broken", "/nonexistent/adapter")  # fails inside generation
-    broken = PolicyService(scripted_policy, resolve, ServiceConfig(batch_window_s=0.0), names)
-    with ServerThread(build_app(broken)) as url:
+    with broken_service(scripted_policy) as url:  # fails inside generation
         with httpx.stream("POST", f"{url}/v1/responses", json={"model": "broken", "input": "hi", "stream": True},
                           timeout=120) as r:
             kinds = [json.loads(line[6:])["type"] for line in r.iter_lines() if line.startswith("data: ")]
         assert r.status_code == 200 and kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"]
         r = httpx.post(f"{url}/v1/responses", json={"model": "nope", "input": "hi", "stream": True}, timeout=60)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # refused before streaming
-    broken.close()

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from stages.policy.resident import ResidentPolicy
-from stages.service.app import ServerThread, build_app
-from stages.service.resolve import catalog_resolver, fixed_resolver
-from stages.service.service import PolicyService, ServiceConfig
+from stages.service.resolve import catalog_resolver
+from stages.service.service import ServiceConfig
 from storage.schema import segment_bounds
 from storage.workspace import Workspace
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS, scripted_model_dir, script_messages  # noqa: F401
+from tests.service_fixtures import broken_service, client_of, serving
 
 pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
 
@@ -43,18 +43,13 @@ def policy(scripted_model_dir: Path) -> ResidentPolicy:
 
 @pytest.fixture(scope="module")
 def service(policy, ws, scripted_model_dir):
-    resolve, names = catalog_resolver(ws.settings.snapshot_dir / "checkpoints.parquet", str(scripted_model_dir))
+    resolver = catalog_resolver(ws.settings.snapshot_dir / "checkpoints.parquet", str(scripted_model_dir))
     # A wide window: on 2 busy cores 32 concurrent requests can take a few hundred ms to arrive.
-    svc = PolicyService(policy, resolve, ServiceConfig(batch_window_s=0.5, default_max_tokens=40), names)
-    with ServerThread(build_app(svc)) as url:
-        svc.url = url
+    with serving(policy, resolver, ServiceConfig(batch_window_s=0.5, default_max_tokens=40)) as svc:
         yield svc
-    svc.close()
 
 
-def _client(service, episode: str | None = None) -> openai.OpenAI:
-    headers = {"X-Episode-Id": episode} if episode else {}
-    return openai.OpenAI(base_url=service.url + "/v1", api_key="unused", default_headers=headers, max_retries=0)
+_client = client_of
 
 
 def _opening() -> list[dict]:
@@ -289,14 +284,11 @@ def test_invalid_json_and_failing_generation(service, policy):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     # An adapter folder that cannot be loaded: a 500 with the reason, then the service goes on.
-    resolve, names = fixed_resolver("broken", "/nonexistent/adapter")
-    broken = PolicyService(policy, resolve, ServiceConfig(batch_window_s=0.0), names)
-    with ServerThread(build_app(broken)) as url:
+    with broken_service(policy) as url:
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": "broken", "messages": _opening()}, timeout=60)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "Traceback" not in r.text
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": "broken", "messages": _opening()}, timeout=60)
         assert r.status_code == 500  # still answering
-    broken.close()
 
 
 def test_rlops_serve_command(tmp_path, scripted_model_dir):

@@ -14,12 +14,9 @@ import httpx
 import openai
 import pytest
 
-from stages.service.app import ServerThread, build_app
-from stages.service.resolve import fixed_resolver
-from stages.service.service import PolicyService, ServiceConfig
 from stages.service.stream import TokenFeed, settled
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS, script_messages
-from tests.stages.service.conftest import client_of
+from tests.service_fixtures import broken_service, client_of
 
 pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
 
@@ -162,15 +159,12 @@ def test_errors_before_and_during_the_stream(service, policy):
     with pytest.raises(openai.NotFoundError):  # refused before streaming: an ordinary HTTP error
         list(_client(service).chat.completions.create(model="nope", messages=_opening(), stream=True))
     # An adapter that cannot be loaded fails inside generation, after the stream started: an error event.
-    resolve, names = fixed_resolver("broken", "/nonexistent/adapter")
-    broken = PolicyService(policy, resolve, ServiceConfig(batch_window_s=0.0), names)
-    with ServerThread(build_app(broken)) as url:
+    with broken_service(policy) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.APIError, match="adapter"):
             list(client.chat.completions.create(model="broken", messages=_opening(), stream=True))
         with pytest.raises(openai.APIError):
             list(client.completions.create(model="broken", prompt="hi", stream=True))
-    broken.close()
 
 
 @pytest.mark.parametrize("text, stops, tools, expected", [
