@@ -135,6 +135,9 @@ def create(dataset: str, config: dict[str, Any], *, seed: int, size: int) -> Any
         close = difflib.get_close_matches(dataset, DATASETS, n=5, cutoff=0.5)
         hint = f"close names: {', '.join(close)}" if close else f"none is close; all {len(DATASETS)}: {', '.join(sorted(DATASETS))}"
         raise TaskParamsError([f"task.params.dataset: unknown reasoning-gym dataset {dataset!r} ({hint})"])
+    if dataset == "composite":  # its config holds DatasetSpec objects, which neither YAML nor the reward's params can
+        raise TaskParamsError(["task.params.dataset: 'composite' (a weighted mix of datasets) is not supported: "
+                               "its config is made of DatasetSpec objects; train on one dataset per run"])
     fields = [f.name for f in dataclasses.fields(DATASETS[dataset][1]) if f.name not in ("seed", "size")]
     problems = [f"task.params.config.{key}: set task.params.{key} instead (one per split)"
                 for key in config if key in ("seed", "size")]
