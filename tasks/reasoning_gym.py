@@ -39,6 +39,7 @@ SYSTEM_PROMPTS = {
     "plain": "Solve the problem. Reply with the final answer only, no words or working.",
 }
 AnswerFormat = Literal["tags", "plain"]
+DEFAULT_FORMAT: AnswerFormat = "tags"
 
 
 def make_task(
@@ -48,7 +49,7 @@ def make_task(
     seed: int = 0,
     eval_size: int = 100,
     eval_seed: int | None = None,
-    answer_format: AnswerFormat = "tags",
+    answer_format: AnswerFormat = DEFAULT_FORMAT,
 ) -> Task:
     """Build a task from reasoning-gym dataset `dataset` under `config` (its config class's fields, e.g.
     `{min_terms: 2, max_terms: 2}` for chain_sum; `seed` and `size` are params of their own).
@@ -77,7 +78,7 @@ def write_oracle_dataset(path: str | Path, split: str = "train", n: int | None =
     first `n` prompts of `split` that have an answer (None: all) as JSONL; returns the number of lines.
     Entries without a single answer (puzzles any valid solution solves) are skipped."""
     task = make_task(**params)
-    tags = params.get("answer_format", "tags") == "tags"
+    tags = params.get("answer_format", DEFAULT_FORMAT) == "tags"
     answered = [p for p in task.prompts(split) if p.metadata["answer"] is not None][:n]
     rows = (
         {"messages": task.messages(p) + [{"role": "assistant", "content": oracle_reply(p.metadata["answer"], tags)}],
