@@ -76,7 +76,10 @@ def test_messages_stream_sends_anthropics_events_and_records_as_create(served):
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert ["content_block_start", "content_block_delta", "content_block_stop"] == \
         [k for k in kinds if k.startswith("content_block")]
-    assert s_first.content == first.content and s_first.stop_reason == "tool_use" and s_first.usage == first.usage
+    def meaning(message):  # noqa: ANN001, ANN202 - the call ids differ per response
+        return [b.model_dump(exclude={"id"}) for b in message.content], message.stop_reason, message.usage
+
+    assert meaning(s_first) == meaning(first) and s_first.stop_reason == "tool_use"
     with streamed.messages.stream(messages=question + [{"role": "assistant", "content": s_first.content},
                                                       _result_turn(s_first)], **ASK) as stream:
         text = "".join(stream.text_stream)
@@ -118,9 +121,11 @@ def test_stop_sequences_tool_choice_and_thinking_blocks(served):
     assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == ("stop_sequence", "98", ANSWER[:ANSWER.find("98")])
     short = client.messages.create(messages=done, **ASK | {"max_tokens": 1})
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 1
-    forced = client.messages.create(messages=[{"role": "user", "content": "hi"}],
+    # Honoured by constrained decoding (recorded as such): the model's own call, under a grammar.
+    forced = client.messages.create(messages=[{"role": "user", "content": QUESTION}], metadata={"user_id": "ep-forced"},
                                     tool_choice={"type": "tool", "name": "search"}, **ASK)
-    assert forced.stop_reason == "tool_use" and forced.content[-1].name == "search"
+    assert forced.stop_reason == "tool_use" and forced.content[-1].input == CALL["arguments"]
+    assert _episode(served, "ep-forced").json()["constraints"] == ["tool_choice=function:search"]
     none = client.messages.create(messages=[{"role": "user", "content": QUESTION}], tool_choice={"type": "none"}, **ASK)
     assert all(b.type == "text" for b in none.content) and none.stop_reason in ("end_turn", "max_tokens")
 
