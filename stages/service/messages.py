@@ -150,8 +150,11 @@ class CountTokensRequest(_Request):
             "".join(b.text for b in self.system)
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
             [m for message in self.messages for m in anthropic_messages(message.model_dump(exclude_none=True))]
-        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                    "parameters": t.input_schema}} for t in self.tools or []]
+        for t in tools:  # as an OpenAI tool without one: no description at all
+            if t["function"]["description"] is None:
+                del t["function"]["description"]
         choice, parallel = _tool_choice(self.tool_choice)
         return ChatRequest(model=self.model, messages=messages, tools=tools or None,
                            tool_choice=choice, parallel_tool_calls=parallel, **sampling)
