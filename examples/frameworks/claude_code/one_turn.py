@@ -35,6 +35,8 @@ def main() -> None:
         "ANTHROPIC_MODEL": args.model, "ANTHROPIC_SMALL_FAST_MODEL": args.model,
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": args.model, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+        # Claude Code asks for extended thinking by default, which the service refuses (the policy has none).
+        "MAX_THINKING_TOKENS": "0",
     }
     run = subprocess.run([args.claude, "-p", args.prompt, "--max-turns", "1"], env=env, capture_output=True,
                          text=True, timeout=args.timeout)
