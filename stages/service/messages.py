@@ -19,8 +19,9 @@ as a chat call is:
 | `metadata.user_id` | the episode id when neither the URL nor X-Episode-Id names one |
 
 Other fields follow the field rule of stages/service/schemas.py: `top_k` is refused (only top_p
-truncation is implemented), `thinking` unless disabled, `output_config` with values, `container`,
-`mcp_servers`, `context_management`; caching and routing hints are ignored. A last assistant message
+truncation is implemented), `thinking` unless disabled, `output_config` unless its effort is "high"
+(Anthropic's default) and it has no `format`, `container`, `mcp_servers`, `context_management`;
+caching and routing hints are ignored. A last assistant message
 (a prefill to continue) and content other than text (images, documents, server tools) are refused.
 
 The turn comes back as content blocks: a `text` block when it has text, a `tool_use` block per call

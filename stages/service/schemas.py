@@ -45,7 +45,9 @@ IGNORED: dict[str, Callable[[Any], bool]] = {
     "cache_control": _always, "diagnostics": _always, "inference_geo": _always, "speed": _always,
     "user_profile_id": _always, "workspace_id": _always,
     "thinking": lambda v: isinstance(v, dict) and v.get("type") == "disabled",
-    "output_config": lambda v: isinstance(v, dict) and all(x is None for x in v.values()),
+    # Effort "high" is Anthropic's default: the same as omitting it. Other efforts and `format` are refused.
+    "output_config": lambda v: isinstance(v, dict) and v.get("format") is None and v.get("effort") in (None, "high")
+    and set(v) <= {"format", "effort"},
 }
 # Refused with the reason: they would change what is sampled or returned and are not implemented.
 REFUSED: dict[str, str] = {
@@ -71,7 +73,7 @@ REFUSED: dict[str, str] = {
     "max_tool_calls": "max_tool_calls is not implemented",
     "conversation": "stored conversations: use previous_response_id",
     "thinking": "extended thinking is not implemented: send {\"type\": \"disabled\"} or omit it",
-    "output_config": "effort and structured output (format) are not implemented",
+    "output_config": "only effort \"high\" (the default) is implemented; structured output (format) is not",
     "container": "code-execution containers are not implemented",
     "mcp_servers": "remote MCP servers are not implemented: run the tools in the agent",
     "context_management": "server-side context editing is not implemented",

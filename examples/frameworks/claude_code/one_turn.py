@@ -38,7 +38,7 @@ def main() -> None:
         # Claude Code asks for extended thinking by default, which the service refuses (the policy has none).
         "MAX_THINKING_TOKENS": "0",
     }
-    run = subprocess.run([args.claude, "-p", args.prompt, "--max-turns", "1"], env=env, capture_output=True,
+    run = subprocess.run([args.claude, "-p", args.prompt, "--max-turns", "1", "--effort", "high"], env=env, capture_output=True,
                          text=True, timeout=args.timeout)
     print(f"claude exited {run.returncode}\n--- stdout\n{run.stdout.strip()}\n--- stderr\n{run.stderr.strip()[-2000:]}")
     try:

@@ -135,6 +135,7 @@ def test_stop_sequences_tool_choice_and_thinking_blocks(served):
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, anthropic.BadRequestError, "thinking"),
     ({"extra_body": {"top_k": 5}}, anthropic.BadRequestError, "top_k"),
     ({"extra_body": {"container": "c1"}}, anthropic.BadRequestError, "container"),
+    ({"output_config": {"effort": "low"}}, anthropic.BadRequestError, "output_config"),
     ({"tool_choice": {"type": "tool", "name": "read"}}, anthropic.BadRequestError, "read"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, anthropic.BadRequestError,
      "image"),
@@ -150,9 +151,10 @@ def test_refused_requests_are_anthropic_errors(served, extra, error, words):
     body = caught.value.body
     assert body["type"] == "error" and body["error"]["type"] == \
         ("not_found_error" if error is anthropic.NotFoundError else "invalid_request_error")
-    # Harmless fields are ignored: thinking disabled, caching and routing hints.
+    # Harmless fields are ignored: thinking disabled, the default effort, caching and routing hints.
     assert _client(served).messages.create(messages=[{"role": "user", "content": "hi"}], thinking={"type": "disabled"},
-                                           service_tier="auto", **ASK | {"max_tokens": 2}).usage.output_tokens <= 2
+                                           output_config={"effort": "high"}, service_tier="auto",
+                                           **ASK | {"max_tokens": 2}).usage.output_tokens <= 2
 
 
 def test_over_the_context_is_an_invalid_request_naming_both_lengths_and_records_nothing(served):
