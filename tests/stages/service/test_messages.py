@@ -168,3 +168,21 @@ def test_over_the_context_is_an_invalid_request_naming_both_lengths_and_records_
                                                           "message": "max_tokens: Field required"}
     r = httpx.get(f"{served.url}/ep/x/v1/messages")
     assert r.status_code == 405 and r.json()["type"] == "error"
+
+
+def test_a_failure_during_a_streamed_message_ends_it_with_an_error_event(scripted_policy):
+    from stages.service.app import ServerThread, build_app
+    from stages.service.resolve import fixed_resolver
+    from stages.service.service import PolicyService, ServiceConfig
+
+    resolve, names = fixed_resolver("broken", "/nonexistent/adapter")  # fails inside generation
+    broken = PolicyService(scripted_policy, resolve, ServiceConfig(batch_window_s=0.0), names)
+    body = {"model": "broken", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with ServerThread(build_app(broken)) as url:
+        with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and [e["type"] for e in events] == ["message_start", "error"]
+        assert events[-1]["error"]["type"] == "api_error"
+        r = httpx.post(f"{url}/v1/messages", json=body | {"model": "nope"}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"  # refused before streaming
+    broken.close()
