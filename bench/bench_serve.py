@@ -1,6 +1,7 @@
 """Served vs in-process doc_search episodes on SmolLM2-135M-Instruct (CPU), and time to first token.
 
     .venv/bin/python bench/bench_serve.py [--prompts 4] [--group 8] [--max-new-tokens 48] [--rounds 2]
+    .venv/bin/python bench/bench_serve.py --compare messages ...    # /v1/messages vs /v1/chat/completions
 
 The same work both ways, through the real rollout stage worker: `prompts x group` doc_search
 episodes (4 x 8 = 32 concurrent episodes) on the train split,
@@ -11,6 +12,11 @@ Throughput is sampled tokens (loss_mask == 1) per second of the shard's wall tim
 alternate, `--rounds` times each, and the ratio is taken over the summed times. Time to first
 token: an idle service, one request for the opening doc_search prompt with max_tokens=1 (prefill +
 HTTP + the batch window), median of `--ttft-repeats`.
+
+`--compare messages` runs the same episodes served both ways instead: over `/v1/chat/completions`
+(the OpenAI example above) and over Anthropic's `/v1/messages` (examples/frameworks/anthropic/agent.py,
+the same system prompt and tools, which render to the same prompt tokens), and reports
+messages / chat throughput (no time to first token).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "doc_search_openai"
+ANTHROPIC = REPO / "examples" / "frameworks" / "anthropic"
 
 
 def add_shard_args(ap: argparse.ArgumentParser) -> None:
@@ -87,18 +94,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_shard_args(ap)
     ap.add_argument("--ttft-repeats", type=int, default=5)
+    ap.add_argument("--compare", choices=["in-process", "messages"], default="in-process",
+                    help="what the served OpenAI agent is compared with: the in-process doc_search loop, or the "
+                         "same agent written against Anthropic's Messages API (/v1/messages)")
     args = ap.parse_args()
 
     from stages.rollout import TaskSpec
 
-    workers, groups = make_workers(args, {
-        "in-process": TaskSpec(name="doc_search", params={"max_turns": 4}),
-        "served": TaskSpec(name="agent", params={"entry": f"{EXAMPLE / 'agent.py'}:rollout",
-                                                 "prompts": str(EXAMPLE / "prompts.jsonl")}),
-    })
+    prompts = str(EXAMPLE / "prompts.jsonl")
+    served = TaskSpec(name="agent", params={"entry": f"{EXAMPLE / 'agent.py'}:rollout", "prompts": prompts})
+    if args.compare == "messages":
+        baseline, ratio_of = "chat", "messages"
+        tasks = {"chat": served,
+                 "messages": TaskSpec(name="agent", params={"entry": f"{ANTHROPIC / 'agent.py'}:rollout", "prompts": prompts})}
+    else:
+        baseline, ratio_of = "in-process", "served"
+        tasks = {"in-process": TaskSpec(name="doc_search", params={"max_turns": 4}), "served": served}
+    workers, groups = make_workers(args, tasks)
     rate = compare(workers, groups, args.rounds)
-    print(f"served / in-process throughput: {rate['served'] / rate['in-process']:.3f}")
-
+    print(f"{ratio_of} / {baseline} throughput: {rate[ratio_of] / rate[baseline]:.3f}")
+    if args.compare != "in-process":
+        return
     print(f"time to first token (idle, median of {args.ttft_repeats}): {ttft(workers['served'].policy, args.ttft_repeats)}")
 
 

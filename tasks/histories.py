@@ -12,6 +12,8 @@ what is needed):
     smolagents              an agent (its memory), memory steps (TaskStep, ActionStep, ...), or the
                             ChatMessages of `agent.write_memory_to_messages()`
     openai / LiteLLM        message objects with `model_dump` (ChatCompletionMessage, litellm Message)
+    Anthropic Messages API  {"role", "content": [blocks]} with text / tool_use / tool_result / thinking
+                            blocks, dicts or the `anthropic` SDK's objects (`anthropic_messages`)
 
 `to_chat_messages` returns OpenAI chat dicts (still to be validated by the service's schema) and
 raises `Unconvertible` with the reason for anything it cannot read; the rollout stage then keeps the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-FRAMEWORKS = ("langchain_core", "langchain", "langgraph", "agents", "pydantic_ai", "smolagents", "litellm")
+FRAMEWORKS = ("langchain_core", "langchain", "langgraph", "agents", "pydantic_ai", "smolagents", "litellm", "anthropic")
 
 
 class Unconvertible(ValueError):
@@ -39,7 +41,7 @@ def framework_of(value: Any) -> str | None:
 def is_framework_history(value: Any) -> bool:
     """Whether a returned `messages` value (or a returned object) is in a framework's own types."""
     if isinstance(value, list):
-        return any(framework_of(m) or _is_responses_item(m) for m in value)
+        return any(framework_of(m) or _is_responses_item(m) or _is_anthropic_message(m) for m in value)
     return framework_of(value) is not None
 
 
@@ -56,7 +58,9 @@ def to_chat_messages(value: Any) -> list[dict[str, Any]]:
             turn = _add_responses_item(out, item, turn)
             continue
         turn = None
-        if isinstance(item, dict):
+        if _is_anthropic_message(item):
+            out += anthropic_messages(item)
+        elif isinstance(item, dict):
             out.append(item)
         elif kind in ("langchain_core", "langchain", "langgraph"):
             from langchain_core.messages import convert_to_openai_messages  # the message's own package: installed
@@ -135,6 +139,51 @@ def _add_responses_item(out: list[dict[str, Any]], item: dict[str, Any],
         return None
     out.append({"role": item["role"], "content": _text(item.get("content"))})
     return out[-1] if item["role"] == "assistant" else None
+
+
+# -- Anthropic's Messages API (the anthropic SDK's history, any Messages API client's) ----------------
+
+_ANTHROPIC_BLOCKS = ("tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
+def _is_anthropic_message(item: Any) -> bool:
+    content = item.get("content") if isinstance(item, dict) else None
+    return isinstance(content, list) and any(
+        framework_of(b) == "anthropic" or (isinstance(b, dict) and b.get("type") in _ANTHROPIC_BLOCKS) for b in content)
+
+
+def anthropic_messages(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """One Messages-API message as chat messages. An assistant message is one message: its text blocks
+    joined, a tool call per `tool_use` block (`input` as JSON arguments), its `thinking` /
+    `redacted_thinking` blocks dropped (as Anthropic drops earlier turns' thinking). A user message is
+    a `tool` message per `tool_result` block (`is_error`: the text prefixed `Error: `, chat has no such
+    field) and a user message per run of text blocks, in order. Also the policy service's translation
+    of a Messages request (stages/service/messages.py)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return [{"role": message["role"], "content": content}]
+    blocks = [b.model_dump() if framework_of(b) == "anthropic" else b for b in content]
+    if message["role"] == "assistant":
+        calls = [{"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": json.dumps(b["input"])}}
+                 for b in blocks if b.get("type") == "tool_use"]
+        if stray := [b.get("type") for b in blocks if b.get("type") not in ("text", "tool_use", "thinking",
+                                                                            "redacted_thinking")]:
+            raise Unconvertible(f"an assistant message holds a {stray[0]!r} block")
+        text = "".join(b["text"] for b in blocks if b.get("type") == "text")
+        return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+    out: list[dict[str, Any]] = []
+    for b in blocks:
+        if b.get("type") == "tool_result":
+            text = _text(b.get("content")) or ""
+            out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                        "content": f"Error: {text}" if b.get("is_error") else text})
+        elif b.get("type") == "text" and out and out[-1]["role"] == "user":
+            out[-1]["content"] += b["text"]
+        elif b.get("type") == "text":
+            out.append({"role": "user", "content": b["text"]})
+        else:
+            raise Unconvertible(f"a user message holds a {b.get('type')!r} block")
+    return out
 
 
 # -- pydantic-ai -------------------------------------------------------------------------------------

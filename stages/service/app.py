@@ -7,6 +7,7 @@
 
 Endpoints: `POST /v1/chat/completions` (messages, tools, n, temperature, top_p, max_tokens, stop,
 seed, logprobs, stream), `POST /v1/completions`, `POST /v1/responses` (stages/service/responses.py),
+Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens` (stages/service/messages.py),
 `GET /v1/models`, each also under `/ep/{episode_id}/v1/...`, and `GET /rlops/episodes/{id}` (an
 episode's recorded tokens, assembled as a rollout). A call is recorded under the episode id of its
 URL, else of its `X-Episode-Id` header, else of its `user` field (stages/service/service.py).
@@ -14,12 +15,15 @@ URL, else of its `X-Episode-Id` header, else of its `user` field (stages/service
 Errors are OpenAI-style JSON: 400 for a malformed request, a refused field (named in `param`, see
 stages/service/schemas.py) or a prompt over the context, 404 for an unknown model, episode, stored
 response or route, 500 (with the message, never a traceback) if generation fails; the server keeps
-serving. A streamed request fails before its stream starts as such an error, during it with an
+serving. On the Messages routes errors are Anthropic's shape instead
+(`{"type": "error", "error": {"type": "invalid_request_error" | "not_found_error" | "api_error", ...}}`).
+A streamed request fails before its stream starts as such an error, during it with an
 error event.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -27,10 +31,13 @@ from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
 
+from stages.service.messages import CountTokensRequest, MessagesAPI, MessagesRequest, anthropic_error
 from stages.service.responses import ResponsesAPI
 from stages.service.schemas import ChatRequest, CompletionRequest, ResponsesRequest, UnsupportedField, error_body
 from stages.service.service import PolicyService, ServiceError
 from tasks.agent import EPISODE_HEADER  # its one home is the agent contract (external.py imports it from here)
+
+_ANTHROPIC_ROUTE = re.compile(r"(/ep/[^/]+)?/v1/messages(/|$)")  # Anthropic's Messages API: its error shape
 
 
 def build_app(service: PolicyService) -> Any:
@@ -42,6 +49,7 @@ def build_app(service: PolicyService) -> Any:
 
     app = FastAPI(title="rlops policy service", docs_url=None, redoc_url=None)
     responses_api = ResponsesAPI(service)
+    messages_api = MessagesAPI(service)
 
     def episode_of(request: Request, user: str | None) -> str | None:
         """/ep/{id}/v1/... names the episode in the URL (for a framework that builds its own client from
@@ -51,34 +59,38 @@ def build_app(service: PolicyService) -> Any:
             service.recorder.count_unrecorded()  # served, but no episode will hold it (rollout: why_empty)
         return episode
 
+    def error(request: Request, status: int, message: str, code: str | None = None,
+              param: str | None = None) -> JSONResponse:
+        """An error in the shape of the route's API: Anthropic's on /v1/messages..., else OpenAI's."""
+        if _ANTHROPIC_ROUTE.match(request.url.path):
+            return JSONResponse(anthropic_error(status, message), status_code=status)
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(error_body(message, kind, code, param), status_code=status)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         refused = first.get("ctx", {}).get("error")
         if isinstance(refused, UnsupportedField):
-            return JSONResponse(error_body(str(refused), code="unsupported_parameter", param=refused.field),
-                                status_code=400)
+            return error(request, 400, str(refused), code="unsupported_parameter", param=refused.field)
         if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"),
-                                status_code=400)
+            return error(request, 400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
         where = ".".join(str(p) for p in first.get("loc", ())[1:])
-        return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid request')}" if where else
-                                       str(first.get("msg", "invalid request")), param=where or None), status_code=400)
+        return error(request, 400, f"{where}: {first.get('msg', 'invalid request')}" if where else
+                     str(first.get("msg", "invalid request")), param=where or None)
 
     @app.exception_handler(ServiceError)
     async def _refused(request: Request, exc: ServiceError) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return JSONResponse(error_body(str(exc), kind, exc.code), status_code=exc.status)
+        return error(request, exc.status, str(exc), exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(message, code=code), status_code=exc.status_code)
+        return error(request, exc.status_code, message, {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
 
     @app.exception_handler(Exception)
     async def _failed(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
+        return error(request, 500, f"{type(exc).__name__}: {exc}")
 
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
         if req.stream:
@@ -99,7 +111,18 @@ def build_app(service: PolicyService) -> Any:
             return _events(responses_api.stream(req, episode_of(request, req.user)))
         return await responses_api.create(req, episode_of(request, req.user))
 
+    async def messages(req: MessagesRequest, request: Request) -> Any:
+        episode = episode_of(request, req.metadata.user_id if req.metadata else None)
+        if req.stream:
+            return _events(messages_api.stream(req, episode))
+        return await messages_api.create(req, episode)
+
+    async def count_tokens(req: CountTokensRequest, request: Request) -> dict[str, Any]:
+        return messages_api.count_tokens(req, request.path_params.get("episode_id") or request.headers.get(EPISODE_HEADER))
+
     for prefix in ("", "/ep/{episode_id}"):  # every endpoint also under /ep/{id}/v1
+        app.post(prefix + "/v1/messages")(messages)
+        app.post(prefix + "/v1/messages/count_tokens")(count_tokens)
         app.post(prefix + "/v1/chat/completions")(chat_completions)
         app.post(prefix + "/v1/completions")(completions)
         app.post(prefix + "/v1/responses")(responses)

@@ -126,7 +126,7 @@ class ResponsesAPI:
         generation raises here, an ordinary HTTP error; a failure during generation ends the stream
         with an `error` event and `response.failed`."""
         chat, history = self._chat(req)
-        chat_id, events = self.service.chat_deltas(chat, episode_id)
+        chat_id, _, events = self.service.chat_deltas(chat, episode_id)
         rid, created = "resp_" + chat_id.removeprefix("chatcmpl-"), time.time()
         seq = iter(range(1 << 30))
 

@@ -41,6 +41,13 @@ IGNORED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is False, "best_of": lambda v: v == 1,
     "truncation": lambda v: v == "disabled",  # a prompt over the context is a 400, never truncated
     "text": lambda v: isinstance(v, dict) and v.get("format", {"type": "text"}) == {"type": "text"},
+    # Anthropic's Messages API (stages/service/messages.py): caching, routing and account hints.
+    "cache_control": _always, "diagnostics": _always, "inference_geo": _always, "speed": _always,
+    "user_profile_id": _always, "workspace_id": _always,
+    "thinking": lambda v: isinstance(v, dict) and v.get("type") == "disabled",
+    # Effort "high" is Anthropic's default: the same as omitting it. Other efforts and `format` are refused.
+    "output_config": lambda v: isinstance(v, dict) and v.get("format") is None and v.get("effort") in (None, "high")
+    and set(v) <= {"format", "effort"},
 }
 # Refused with the reason: they would change what is sampled or returned and are not implemented.
 REFUSED: dict[str, str] = {
@@ -65,6 +72,11 @@ REFUSED: dict[str, str] = {
     "response_format": "response_format applies to chat requests",
     "max_tool_calls": "max_tool_calls is not implemented",
     "conversation": "stored conversations: use previous_response_id",
+    "thinking": "extended thinking is not implemented: send {\"type\": \"disabled\"} or omit it",
+    "output_config": "only effort \"high\" (the default) is implemented; structured output (format) is not",
+    "container": "code-execution containers are not implemented",
+    "mcp_servers": "remote MCP servers are not implemented: run the tools in the agent",
+    "context_management": "server-side context editing is not implemented",
 }
 
 
@@ -198,6 +210,12 @@ def visible_text(text: str, stops: list[str]) -> str:
     """The sampled text as OpenAI returns it: cut before the first stop string."""
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
     return text[: min(cuts)] if cuts else text
+
+
+def stop_hit(text: str, stops: list[str]) -> str | None:
+    """The stop string that ended the sampled text (the earliest in it), None when none did."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
 
 
 def without_tool_calls(text: str) -> str | None:

@@ -38,7 +38,7 @@ from stages.policy.sampling import RowOptions, Sample, SamplingConfig, decode_tu
 from stages.service.decoding import request_decoding
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.service.resolve import Resolver
-from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, visible_text,
+from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, stop_hit, visible_text,
                                     without_tool_calls)
 from stages.service.stream import ChoiceText, TokenFeed, chat_sse, completion_sse
 from storage.schema import Message, ToolCall
@@ -234,12 +234,20 @@ class PolicyService:
             recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason,
                                        s.constraint))
             returned.append(shown)
+            # `stop_reason` as vLLM returns it: the stop string that ended the turn (Anthropic's `stop_sequence`).
             choices.append({"index": i, "message": shown.to_openai() | {"content": shown.content},
-                            "finish_reason": finish,
+                            "finish_reason": finish, "stop_reason": stop_hit(s.text, list(sampling.stop)),
                             "logprobs": {"content": logprobs_content(self.policy.tokenizer, s)} if req.logprobs else None})
         if log is not None:
             log.add(Call(seen, recorded), returned)
         return choices
+
+    def prompt_tokens(self, req: ChatRequest, episode_id: str | None) -> int:
+        """How many tokens the request's prompt is, built as `_chat_setup` builds it (the episode's
+        recognised turns as their recorded tokens), with nothing generated or recorded."""
+        req, _ = self._decoding(req)
+        log = self.recorder.peek(episode_id) if episode_id else None
+        return len(chat_prompt(self.chat, req.conversation(), log, self.policy.eos_ids)[0])
 
     async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
         req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
@@ -249,8 +257,8 @@ class PolicyService:
                 "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples),
                 "usage": _usage(len(prompt), samples)}
 
-    def chat_deltas(self, req: ChatRequest, episode_id: str | None) -> tuple[str, AsyncIterator[tuple]]:
-        """Start a chat request's generation and return (response id, its events): ("text", choice,
+    def chat_deltas(self, req: ChatRequest, episode_id: str | None) -> tuple[str, int, AsyncIterator[tuple]]:
+        """Start a chat request's generation and return (response id, prompt tokens, its events): ("text", choice,
         settled content), then ("end", choices as a plain response has them, the content each choice
         still has to send, usage) or ("error", message). A request refused before generation raises
         here, so it is an ordinary HTTP error; the recording is the plain call's (`_chat_choices`)."""
@@ -275,11 +283,11 @@ class PolicyService:
             yield ("end", choices, [texts[c["index"]].rest(c["message"]["content"]) for c in choices],
                    _usage(len(prompt), samples))
 
-        return rid, events()
+        return rid, len(prompt), events()
 
     def chat_completion_stream(self, req: ChatRequest, episode_id: str | None) -> AsyncIterator[str]:
         """The Server-Sent Events of a streamed chat completion (stages/service/stream.py)."""
-        rid, events = self.chat_deltas(req, episode_id)
+        rid, _, events = self.chat_deltas(req, episode_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return chat_sse(rid, req.model, req.n, include_usage, events)
 

@@ -131,3 +131,32 @@ def test_unreadable_histories_say_what_they_hold():
     with pytest.raises(Unconvertible, match="a content part that is not text"):
         to_chat_messages([{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
     assert not is_framework_history([{"role": "user", "content": "q"}])
+
+
+def test_anthropic_messages_with_the_sdks_blocks():
+    from anthropic.types import TextBlock, ThinkingBlock, ToolUseBlock
+
+    history = [{"role": "user", "content": "Where was Grougo Ninael born?"},
+               {"role": "assistant", "content": [ThinkingBlock(type="thinking", thinking="search first", signature="s"),
+                                                 ToolUseBlock(type="tool_use", id="call_1", name="search",
+                                                              input=json.loads(ARGS))]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                             "content": [{"type": "text", "text": RESULT}]}]},
+               {"role": "assistant", "content": [TextBlock(type="text", text="Fograndford")]}]
+    assert is_framework_history(history)
+    messages = to_chat_messages(history)
+    _check(messages, ["user", "assistant", "tool", "assistant"])
+    assert messages[1]["content"] is None  # the thinking block is dropped: the policy wrote none
+
+
+def test_anthropic_tool_errors_and_text_after_results():
+    turn = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "no such doc",
+                                         "is_error": True},
+                                        {"type": "tool_result", "tool_use_id": "t2", "content": RESULT},
+                                        {"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}]}
+    assert to_chat_messages([turn]) == [{"role": "tool", "tool_call_id": "t1", "content": "Error: no such doc"},
+                                        {"role": "tool", "tool_call_id": "t2", "content": RESULT},
+                                        {"role": "user", "content": "Answer briefly."}]
+    with pytest.raises(Unconvertible, match="image"):
+        to_chat_messages([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"},
+                                                       {"type": "image", "source": {}}]}])
