@@ -216,7 +216,8 @@ def _request(config: DriverConfig) -> dict[str, Any]:
     """The chat request's extra fields: the action tool (tool mode)."""
     if config.action == "text":
         return {}
-    return {"tools": [config.tool()], "tool_choice": config.tool_choice, "parallel_tool_calls": True}
+    return {"tools": [config.tool()], "tool_choice": config.tool_choice,
+            "parallel_tool_calls": False}  # one action per turn
 
 
 def parse_action(message: Any, config: DriverConfig) -> tuple[dict[str, Any], str | None, str | None]:

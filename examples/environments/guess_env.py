@@ -33,7 +33,7 @@ GUESS_COST = 0.1  # each guess after the first costs this much of the final rewa
 class GuessAction(Action):
     """One guess."""
 
-    guess: int = Field(description=f"your guess, a whole number from 1 to {HIGH}")
+    guess: int = Field(ge=1, le=HIGH, description=f"your guess, a whole number from 1 to {HIGH}")
 
 
 class GuessObservation(Observation):

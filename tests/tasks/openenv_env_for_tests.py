@@ -2,7 +2,7 @@
 
 reset(seed, fault=...) picks the fault, which strikes on the second step of the episode with seed 1:
   "kill": the server process dies (SIGKILL to itself: every session in flight is lost);
-  "slow": the step sleeps 30 s (over any test's step_timeout_s);
+  "slow": the step sleeps 8 s (over any test's step_timeout_s);
   "bad":  the observation's `text` is a number (it does not validate against the schema).
 Every other step answers "echo: <message>" with reward 0.5; the third step ends the episode.
 """
@@ -45,7 +45,7 @@ class FaultyEnvironment(Environment[SayAction, EchoObservation, State]):
             if self.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.fault == "slow":
-                time.sleep(30)
+                time.sleep(8)
             if self.fault == "bad":
                 return EchoObservation.model_construct(text=12345, done=False, reward=0.0, metadata={})
         return EchoObservation(text=f"echo: {action.message[:40]}", reward=0.5, done=self._state.step_count >= 3)
