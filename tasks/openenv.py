@@ -58,6 +58,7 @@ from tasks.environment import (EVAL_SEEDS, TRAIN_SEEDS, DriverConfig, StepOutcom
                                env_task, text_field)
 
 START_TIMEOUT_S = 60.0  # a server's first start imports openenv-core (gradio, fastmcp): seconds on a loaded machine
+PROBE_WAIT_S = 0.5  # how long a probed session waits to be refused: the server refuses right after accepting
 SYSTEM_PROMPT = ("You act in an environment. Each turn, take one action with the {tool} tool; the environment "
                  "answers with what happened.")
 SYSTEM_PROMPT_TEXT = "You act in an environment. Each turn, reply with your action only."
@@ -77,7 +78,7 @@ def make_task(app: str | None = None, url: str | None = None, max_turns: int = 8
         raise ValueError("task.params: max_turns must be >= 1 and step_timeout_s > 0")
     train, held_out = check_seeds(train_seeds, eval_seeds)
     server = served(app) if app is not None else None
-    base = server.url if server is not None else url.rstrip("/")
+    base = server.ensure_running() if server is not None else url.rstrip("/")  # started again if it died
     info = describe_server(base)
     schema = action_parameters(info["schema"]["action"])
     name = f"openenv {info['metadata'].get('name') or app or url}"
@@ -185,10 +186,12 @@ def check_sessions(url: str, needed: int, timeout: float) -> None:
 
         async def one() -> dict[str, Any]:
             async with connect(f"{base}/ws", open_timeout=timeout) as ws:
-                await ws.send(json.dumps({"type": "state"}))
-                reply = json.loads(await asyncio.wait_for(ws.recv(), timeout))
-                await asyncio.sleep(0.2)  # hold the session while the others open
-                return reply
+                # A refused session is told at once (then closed); an accepted one hears nothing until it
+                # speaks, and is held open meanwhile, so all `needed` are open together.
+                try:
+                    return json.loads(await asyncio.wait_for(ws.recv(), PROBE_WAIT_S))
+                except asyncio.TimeoutError:
+                    return {}
 
         return await asyncio.gather(*(one() for _ in range(needed)))
 

@@ -60,12 +60,31 @@ def test_guess_episodes_are_stored_step_by_step_and_scored(tmp_path, tiny_model_
             by_first.setdefault((r.prompt_id, first["action"]), set()).add(first["observation"])
     assert all(len(v) == 1 for v in by_first.values())
     assert sum(s["error"] is None for r in rows for s in r.metadata["env_steps"]) >= 4  # most turns are real steps
+    _shown_step_by_step(rows[0])
     # Every step is queryable: mean step reward by turn, and how episodes ended.
     by_turn = ws.query(STEP_REWARD_BY_TURN).to_pylist()
     assert [row["turn"] for row in by_turn] == sorted(row["turn"] for row in by_turn) and by_turn[0]["turn"] == 1
     assert sum(row["steps"] for row in by_turn) == sum(len(r.metadata["env_steps"]) for r in rows)
     ended = {row["env_end"]: row["share"] for row in ws.query(ENDINGS).to_pylist()}
     assert abs(sum(ended.values()) - 1.0) < 1e-9 and set(ended) <= {"done", "max_turns"}
+
+
+def _shown_step_by_step(r: Rollout) -> None:
+    """`rlops inspect` (terminal and HTML) shows each step's action, reward, done and observation."""
+    from bs4 import BeautifulSoup
+    from rich.console import Console
+
+    from flows.views.inspect_render import _html_env_steps, _print_env_steps
+    from flows.views.inspection import Episode
+
+    ep = Episode(rollout=r, step=None, segments=[], scores=[])
+    cells = [[td.get_text() for td in tr.select("td")] for tr in BeautifulSoup(_html_env_steps(ep), "html.parser").select("tr")[1:]]
+    steps = r.metadata["env_steps"]
+    assert [c[0] for c in cells] == [str(s["turn"]) for s in steps] and [c[4] for c in cells] == [s["observation"] for s in steps]
+    console = Console(record=True, width=200)
+    _print_env_steps(console, ep)
+    text = console.export_text()
+    assert f"ended by {r.metadata['env_end']}" in text and all(s["observation"][:30] in text for s in steps)
 
 
 # The two queries docs/TASKS.md gives for an environment run (what `rlops sql` runs them on: the rollouts view).
@@ -89,12 +108,12 @@ def test_text_actions_and_the_server_killed_mid_group(tmp_path, tiny_model_dir):
     assert {r.prompt_id for r in errors} == {"seed-1"} and len(errors) == 2
     for r in errors:
         assert f"episode {r.rollout_id} (seed 1), step 2" in r.metadata["error"]
-        assert "environment openenv faulty" in r.metadata["error"]
+        assert "environment openenv FaultyEnvironment (tests.tasks.openenv_env_for_tests:app)" in r.metadata["error"]
     ok = [r for r in rows if r.finish_reason != "error"]
     assert {r.prompt_id for r in ok} == {"seed-0", "seed-2"}  # seed-2 ran on the restarted server
     for r in ok:
         assert [s["reward"] for s in r.metadata["env_steps"]] == [0.5, 0.5, 0.5] and r.metadata["env_end"] == "done"
-        assert [m.role for m in r.messages][1:] == ["user", "assistant"] * 4  # text mode: observations as user turns
+        assert [m.role for m in r.messages][1:] == ["user"] + ["assistant", "user"] * 3  # text mode: observations as user turns
 
 
 @pytest.mark.parametrize("fault, message", [
