@@ -61,11 +61,14 @@ def test_guess_episodes_are_stored_step_by_step_and_scored(tmp_path, tiny_model_
     assert all(len(v) == 1 for v in by_first.values())
     assert sum(s["error"] is None for r in rows for s in r.metadata["env_steps"]) >= 4  # most turns are real steps
     _shown_step_by_step(rows[0])
-    # Every step is queryable: mean step reward by turn, and how episodes ended.
-    by_turn = ws.query(STEP_REWARD_BY_TURN).to_pylist()
+    # Every step is queryable in `rlops sql`'s sandbox: mean step reward by turn, and how episodes ended.
+    from storage.sql import Sandbox
+
+    sandbox = Sandbox(ws.settings)
+    by_turn = sandbox.query(STEP_REWARD_BY_TURN).to_pylist()
     assert [row["turn"] for row in by_turn] == sorted(row["turn"] for row in by_turn) and by_turn[0]["turn"] == 1
     assert sum(row["steps"] for row in by_turn) == sum(len(r.metadata["env_steps"]) for r in rows)
-    ended = {row["env_end"]: row["share"] for row in ws.query(ENDINGS).to_pylist()}
+    ended = {row["env_end"]: row["share"] for row in sandbox.query(ENDINGS).to_pylist()}
     assert abs(sum(ended.values()) - 1.0) < 1e-9 and set(ended) <= {"done", "max_turns"}
 
 
@@ -103,9 +106,12 @@ def test_text_actions_and_the_server_killed_mid_group(tmp_path, tiny_model_dir):
     environment, the episode and the step; the shard goes on; the next shard's episodes get a new server."""
     params = {"app": FAULTY, "action": "text", "max_turns": 3, "reset": {"fault": "kill"}, "step_timeout_s": 10,
               "max_error_frac": 1.0}
-    _, rows = _run(tmp_path, tiny_model_dir, params, prompts=3, groups_per_shard=1)
+    ws, rows = _run(tmp_path, tiny_model_dir, params, prompts=3, groups_per_shard=1)
     errors = [r for r in rows if r.finish_reason == "error"]
     assert {r.prompt_id for r in errors} == {"seed-1"} and len(errors) == 2
+    # A rerun finds the same batch (the restarted server's new port is no part of its identity): nothing regenerated.
+    _, again = _run(tmp_path, tiny_model_dir, params, prompts=3, groups_per_shard=1, ws=ws)
+    assert [r.rollout_id for r in again] == [r.rollout_id for r in rows] and again[0].created_at == rows[0].created_at
     for r in errors:
         assert f"episode {r.rollout_id} (seed 1), step 2" in r.metadata["error"]
         assert "environment openenv FaultyEnvironment (tests.tasks.openenv_env_for_tests:app)" in r.metadata["error"]
