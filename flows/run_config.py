@@ -20,7 +20,7 @@ from flows.config import ConfigError, load_config, validate
 from stages.cluster import RayConfig
 from stages.common import Operational
 from stages.evaluate import EvalConfig
-from stages.rollout import RolloutConfig, TaskSpec
+from stages.rollout import RolloutConfig, TaskSpec, concurrent_episodes
 from stages.score import ScoreConfig, versions
 from stages.sft import SFTConfig
 from stages.update.config import GRPOConfig
@@ -126,6 +126,8 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
         for split in ("train", cfg.eval.split):
             if not task.prompts(split):
                 problems.append(f"task: split {split!r} has no prompts")
+        if task.agent is not None and task.agent.check_sessions is not None:
+            task.agent.check_sessions(concurrent_episodes(cfg.rollout, cfg.rollout.prompts_per_step))
     except TaskParamsError as e:
         problems.extend(e.problems)  # each already names its param: task.params.digits: expected int, ...
     except Exception as e:  # noqa: BLE001 - any failure to build the task is a config problem to report

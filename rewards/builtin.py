@@ -144,3 +144,16 @@ def doc_retrieved(
     )
     value = 1.0 if was_read else search_credit if in_search else 0.0
     return value, {"read": was_read, "in_search": in_search, "doc_id": doc_id}
+
+
+@reward(low=-1e6, high=1e6)
+def env(rollout: Rollout) -> tuple[float, dict[str, Any]]:
+    """An environment episode's own reward (tasks/environment.py): the sum of its step rewards, or the
+    last one, as the task's `reward` param said (stored in metadata.env.config.reward). A step without
+    a reward (an unparsed action) counts 0; an episode with no step scores 0."""
+    mode = rollout.metadata["env"]["config"]["reward"]  # not an environment episode: an error row, not a 0
+    steps = rollout.metadata.get("env_steps") or []
+    rewards = [s["reward"] or 0.0 for s in steps]
+    value = sum(rewards) if mode == "sum" else (rewards[-1] if rewards else 0.0)
+    return float(value), {"mode": mode, "steps": len(steps), "end": rollout.metadata.get("env_end"),
+                          "env": {k: rollout.metadata["env"].get(k) for k in ("source", "server")}}

@@ -66,6 +66,11 @@ class RolloutConfig(BaseModel):
         return self
 
 
+def concurrent_episodes(config: RolloutConfig, n_prompts: int) -> int:
+    """How many episodes an external agent's shard runs at once: its groups x G (stages/service/external.py)."""
+    return min(config.groups_per_shard, n_prompts) * config.group_size
+
+
 def select_prompts(prompts: list[Prompt], n: int, step: int) -> list[Prompt]:
     """The `n` prompts of a step: consecutive, wrapping around the split."""
     if not prompts:
@@ -212,6 +217,8 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
                     "prompt_ids": [p.prompt_id for p in prompts], "task_content": content_digest(task_obj, prompts)}
     if task_obj.agent is not None:  # editing the agent's code or prompts makes new rollouts
         stage_config["agent_version"] = task_obj.agent.version
+        if task_obj.agent.check_sessions is not None:  # before any compute: a shard's episodes run at once
+            task_obj.agent.check_sessions(concurrent_episodes(config, len(prompts)))
     base_seed = config.seed * 1_000_003 + step * 10_007
 
     def body(batch_id: str, mlflow_run_id: str) -> dict[str, float]:

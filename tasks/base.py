@@ -52,6 +52,10 @@ class AgentSpec:
     episode_timeout: float  # seconds per episode
     url: str | None = None  # an agent service (another process or language) that runs each episode on POST
     form: str = "client"  # fn(client, model, prompt), or "endpoint": fn(Endpoint, prompt), sync or async (tasks/agent.py)
+    # or "prompt": async fn(Endpoint, Prompt), the whole prompt (an environment's seed, tasks/environment.py)
+    # How many concurrent episodes the agent's backing resource holds: called with the number a group
+    # needs before any compute; raises ValueError naming both numbers when it cannot (an environment server).
+    check_sessions: Callable[[int], None] | None = None
 
 
 @dataclass

@@ -121,8 +121,26 @@ def _print_episode(console: Any, ep: Episode, title: str, tokens: bool) -> None:
     for s in ep.scores:
         if s.explanation:
             console.print(Text(f"judge ({s.ref}): {s.explanation}", style="cyan"))
+    _print_env_steps(console, ep)
     _print_conversation(console, ep)
     console.print(_segments_text(ep, stream=tokens))
+
+
+def _print_env_steps(console: Any, ep: Episode) -> None:
+    """An environment episode step by step: what the model did, what the environment said, its reward."""
+    from rich.table import Table
+    from rich.text import Text
+
+    if not ep.env_steps:
+        return
+    table = Table(title=f"environment steps (ended by {ep.rollout.metadata.get('env_end')})", show_header=True,
+                  box=None, pad_edge=False, title_justify="left")
+    for col in ("turn", "action", "reward", "done", "observation"):
+        table.add_column(col, overflow="fold")
+    for s in ep.env_steps:
+        action = s["action"] if s["action"] is not None else f"(none: {s['error']})"
+        table.add_row(str(s["turn"]), Text(action), fmt(s["reward"]), "done" if s["done"] else "", Text(s["observation"]))
+    console.print(table)
 
 
 _ROLE_STYLE = {"system": "dim", "user": "blue", "assistant": "green", "tool": "yellow"}
@@ -247,6 +265,18 @@ def _html_conversation(ep: Episode) -> str:
     return f"<div class='conversation'>{''.join(out)}</div>"
 
 
+def _html_env_steps(ep: Episode) -> str:
+    """The environment steps of an environment episode as a table; nothing for other episodes."""
+    if not ep.env_steps:
+        return ""
+    rows = "".join(f"<tr><td>{s['turn']}</td><td><pre>{esc(s['action'] if s['action'] is not None else 'none: ' + str(s['error']))}"
+                   f"</pre></td><td>{fmt(s['reward'])}</td><td>{'done' if s['done'] else ''}</td>"
+                   f"<td><pre>{esc(s['observation'])}</pre></td></tr>" for s in ep.env_steps)
+    return (f"<table class='env-steps'><caption>environment steps (ended by "
+            f"{esc(ep.rollout.metadata.get('env_end'))})</caption><tr><th>turn</th><th>action</th><th>reward</th>"
+            f"<th>done</th><th>observation</th></tr>{rows}</table>")
+
+
 def _html_tokens(ep: Episode) -> str:
     sampled = sum(s.tokens for s in ep.segments if s.sampled)
     spans = "".join(f"<span class='{'sampled' if s.sampled else 'masked'}' title='{s.tokens} tokens'>{esc(s.text)}</span>"
@@ -266,7 +296,8 @@ def _html_episode(ep: Episode, label: str, ref: str) -> str:
     value = _value(ep, ref)
     return (f"<article class='episode' id='ep-{esc(ep.rollout_id)}' data-rollout-id='{esc(ep.rollout_id)}' "
             f"data-rank='{esc(label)}' data-value='{esc(value)}'><h3>{esc(label)} · {esc(ref)} = {fmt(value)} · "
-            f"{esc(ep.rollout_id)}</h3>{_html_meta(ep)}{_html_scores(ep.scores)}{_html_conversation(ep)}"
+            f"{esc(ep.rollout_id)}</h3>{_html_meta(ep)}{_html_scores(ep.scores)}{_html_env_steps(ep)}"
+            f"{_html_conversation(ep)}"
             f"{_html_tokens(ep)}</article>")
 
 
@@ -278,4 +309,4 @@ def _html_change(c: Change, diff: Diff, i: int) -> str:
             f"data-before='{esc(c.before)}' data-after='{esc(c.after)}'><h3>{i}. {esc(ep.rollout_id)}: "
             f"{fmt(c.before)} → {fmt(c.after)}</h3>{_html_meta(ep)}<div class='side'>{sides}</div>"
             f"<details><summary>every reward on this episode</summary>{_html_scores(ep.scores)}</details>"
-            f"{_html_conversation(ep)}{_html_tokens(ep)}</article>")
+            f"{_html_env_steps(ep)}{_html_conversation(ep)}{_html_tokens(ep)}</article>")

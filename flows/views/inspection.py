@@ -86,6 +86,12 @@ class Episode:
     def score(self, ref: str) -> Score | None:
         return next((s for s in self.scores if s.ref == ref), None)
 
+    @property
+    def env_steps(self) -> list[dict[str, Any]]:
+        """An environment episode's steps (tasks/environment.py: turn, action, observation, reward, done,
+        error); empty for any other episode."""
+        return list(self.rollout.metadata.get("env_steps") or [])
+
 
 @dataclass
 class Ranking:

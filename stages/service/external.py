@@ -175,6 +175,8 @@ async def _one(url: str, model: str, agent: AgentSpec, episode_id: str, prompt: 
     try:
         if agent.form == "client":
             running = agent.fn(client, model, prompt.question)
+        elif agent.form == "prompt":  # an environment driver: the prompt's metadata holds its seed
+            running = agent.fn(endpoint, prompt)
         elif inspect.iscoroutinefunction(agent.fn):
             running = agent.fn(endpoint, prompt.question)
         else:
