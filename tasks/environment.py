@@ -81,6 +81,7 @@ class DriverConfig:
     action: Literal["tool", "text"] = "tool"  # text: the reply's text is the Action's one string field
     tool_name: str = "act"
     step_timeout_s: float = 30.0  # reset, step and session start each
+    open_timeout_s: float | None = None  # session start, when it may (re)start a server: step_timeout_s if None
     # "required": the service constrains each turn to a valid call of the Action (stages/service/decoding.py),
     # so every turn is a step even for a small model; "auto": the model may answer without one.
     tool_choice: Literal["required", "auto"] = "required"
@@ -180,7 +181,8 @@ async def drive(endpoint: Endpoint, prompt: Prompt, *, config: DriverConfig,
     def where(step: int) -> str:
         return f"environment {config.name}, episode {endpoint.episode_id} (seed {seed}), step {step}"
 
-    session = await _bounded(open_session(), config.step_timeout_s, lambda: f"{where(0)}: opening a session")
+    session = await _bounded(open_session(), config.open_timeout_s or config.step_timeout_s,
+                             lambda: f"{where(0)}: opening a session")
     client = endpoint.async_client()
     try:
         first = await _bounded(session.reset(seed), config.step_timeout_s, lambda: f"{where(0)}: reset")

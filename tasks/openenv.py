@@ -85,6 +85,8 @@ def make_task(app: str | None = None, url: str | None = None, max_turns: int = 8
     config = DriverConfig(
         name=f"{name} ({app or url})", max_turns=max_turns, action_schema=schema, action=action,
         step_timeout_s=step_timeout_s,
+        # Opening a session restarts a served app that died: its start (imports) is not the step's time.
+        open_timeout_s=step_timeout_s + START_TIMEOUT_S if app else None,
         system_prompt=system_prompt or (SYSTEM_PROMPT_TEXT if action == "text" else SYSTEM_PROMPT.format(tool="act")))
     if action == "text":
         text_field(schema)  # ValueError now, not at the first episode
@@ -101,7 +103,7 @@ def make_task(app: str | None = None, url: str | None = None, max_turns: int = 8
     return env_task(name="openenv", identity=identity, config=config, train_seeds=train, eval_seeds=held_out,
                     open_session=open_session, max_error_frac=max_error_frac,
                     check_sessions=lambda n: check_sessions(server.ensure_running() if server else base, n, step_timeout_s),
-                    episode_timeout=step_timeout_s * (2 * max_turns + 2) + 60.0)
+                    episode_timeout=step_timeout_s * (2 * max_turns + 2) + 60.0 + (START_TIMEOUT_S if app else 0.0))
 
 
 class OpenEnvSession:

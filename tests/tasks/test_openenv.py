@@ -108,7 +108,7 @@ def test_text_actions_and_the_server_killed_mid_group(tmp_path, tiny_model_dir):
               "max_error_frac": 1.0}
     ws, rows = _run(tmp_path, tiny_model_dir, params, prompts=3, groups_per_shard=1)
     errors = [r for r in rows if r.finish_reason == "error"]
-    assert {r.prompt_id for r in errors} == {"seed-1"} and len(errors) == 2
+    assert {r.prompt_id for r in errors} == {"seed-1"} and len(errors) == 2, [(r.prompt_id, r.metadata["error"]) for r in errors]
     # A rerun finds the same batch (the restarted server's new port is no part of its identity): nothing regenerated.
     _, again = _run(tmp_path, tiny_model_dir, params, prompts=3, groups_per_shard=1, ws=ws)
     assert [r.rollout_id for r in again] == [r.rollout_id for r in rows] and again[0].created_at == rows[0].created_at
