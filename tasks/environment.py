@@ -80,6 +80,9 @@ class DriverConfig:
     action_schema: dict[str, Any]  # JSON schema of the Action (its `metadata` field left out)
     action: Literal["tool", "text"] = "tool"  # text: the reply's text is the Action's one string field
     tool_name: str = "act"
+    # The environment's own tools (OpenEnv MCP tools, as OpenAI functions), offered instead of the one
+    # action tool: a call of one is the action {"tool_name": name, "arguments": {...}}.
+    tools: tuple[dict[str, Any], ...] = ()
     step_timeout_s: float = 30.0  # reset, step and session start each
     open_timeout_s: float | None = None  # session start, when it may (re)start a server: step_timeout_s if None
     # "required": the service constrains each turn to a valid call of the Action (stages/service/decoding.py),
@@ -218,7 +221,7 @@ def _request(config: DriverConfig) -> dict[str, Any]:
     """The chat request's extra fields: the action tool (tool mode)."""
     if config.action == "text":
         return {}
-    return {"tools": [config.tool()], "tool_choice": config.tool_choice,
+    return {"tools": list(config.tools) or [config.tool()], "tool_choice": config.tool_choice,
             "parallel_tool_calls": False}  # one action per turn
 
 
@@ -226,17 +229,19 @@ def parse_action(message: Any, config: DriverConfig) -> tuple[dict[str, Any], st
     """(action, tool call id or None, None) from an assistant reply, or ({}, call id, why it is no action)."""
     if config.action == "text":
         return {config.text_field: message.content or ""}, None, None
+    names = [t["function"]["name"] for t in config.tools] or [config.tool_name]
+    which = f"the {names[0]} tool" if len(names) == 1 else f"one of the tools {', '.join(names)}"
     calls = message.tool_calls or []
     if not calls:
-        return {}, None, f"no action: call the {config.tool_name} tool"
+        return {}, None, f"no action: call {which}"
     call = calls[0]
     try:
         arguments = json.loads(call.function.arguments)
     except json.JSONDecodeError as e:
         return {}, call.id, f"the arguments are not JSON ({e})"
-    if call.function.name != config.tool_name or not isinstance(arguments, dict):
-        return {}, call.id, f"call {config.tool_name} with a JSON object of its arguments"
-    return arguments, call.id, None
+    if call.function.name not in names or not isinstance(arguments, dict):
+        return {}, call.id, f"call {which} with a JSON object of its arguments"
+    return ({"tool_name": call.function.name, "arguments": arguments} if config.tools else arguments), call.id, None
 
 
 def _shown(action: dict[str, Any], config: DriverConfig) -> str:

@@ -19,6 +19,11 @@ episode), played by tasks/environment.py's driver: the observation after `reset(
 prompt, each turn's action is a call of a tool whose parameters are the Action's JSON schema from
 `/schema` (its `metadata` field left out), each observation comes back as the tool's result.
 
+An environment with MCP tools (openenv-core's `MCPEnvironment`, RFC 003: its Action is `CallToolAction`)
+offers those instead: `make_task` lists them (a `list_tools` step), the model calls any of them, each
+call is a `call_tool` step whose result (or tool error) is the tool message, with the step's reward
+and `done` stored as for any step. The tool list's schemas are part of the identity.
+
 Before any compute (`make_task`, the config check, the rollout stage): the server must answer
 `/health`, `/schema` and `/metadata` (an unreachable url is a clear error), `action: text` needs an
 Action with one string field, and `check_sessions` opens as many sessions as a shard runs at once
@@ -81,24 +86,30 @@ def make_task(app: str | None = None, url: str | None = None, max_turns: int = 8
     base = server.ensure_running() if server is not None else url.rstrip("/")  # started again if it died
     info = describe_server(base)
     schema = action_parameters(info["schema"]["action"])
+    mcp = is_mcp(info["schema"]["action"])
+    tools = list_mcp_tools(base, step_timeout_s) if mcp else ()
+    if mcp and action == "text":
+        raise ValueError(f"action: text takes the reply's text as an Action's one string field; the environment at "
+                         f"{app or url} acts through its MCP tools ({', '.join(t['function']['name'] for t in tools)}): "
+                         "use action: tool")
     name = f"openenv {info['metadata'].get('name') or app or url}"
     config = DriverConfig(
         name=f"{name} ({app or url})", max_turns=max_turns, action_schema=schema, action=action,
         step_timeout_s=step_timeout_s,
         # Opening a session restarts a served app that died: its start (imports) is not the step's time.
-        open_timeout_s=step_timeout_s + START_TIMEOUT_S if app else None,
+        open_timeout_s=step_timeout_s + START_TIMEOUT_S if app else None, tools=tools,
         system_prompt=system_prompt or (SYSTEM_PROMPT_TEXT if action == "text" else SYSTEM_PROMPT.format(tool="act")))
     if action == "text":
         text_field(schema)  # ValueError now, not at the first episode
     identity = {"source": "openenv", "openenv_core": package_version("openenv-core"),
                 "app": app, "app_source": _module_digest(app) if app else None,
-                "server": info["metadata"], "schema": _digest(info["schema"]),
+                "server": info["metadata"], "schema": _digest(info["schema"]), "tools": _digest(tools) if mcp else None,
                 "config": {"max_turns": max_turns, "reset": reset or {}, "action": action, "reward": reward}}
     observation_schema = info["schema"]["observation"]
 
     async def open_session() -> OpenEnvSession:
         where = await asyncio.to_thread(server.ensure_running) if server is not None else base
-        return await OpenEnvSession.open(where, reset or {}, observation_schema, step_timeout_s)
+        return await OpenEnvSession.open(where, reset or {}, observation_schema, step_timeout_s, mcp=mcp)
 
     return env_task(name="openenv", identity=identity, config=config, train_seeds=train, eval_seeds=held_out,
                     open_session=open_session, max_error_frac=max_error_frac,
@@ -110,37 +121,40 @@ class OpenEnvSession:
     """One episode's WebSocket session (openenv-core's GenericEnvClient); observations are validated
     against the server's observation schema and rendered as text."""
 
-    def __init__(self, client: Any, reset_kwargs: dict[str, Any], observation_schema: dict[str, Any]) -> None:
-        self.client, self.reset_kwargs = client, reset_kwargs
+    def __init__(self, client: Any, reset_kwargs: dict[str, Any], observation_schema: dict[str, Any],
+                 mcp: bool = False) -> None:
+        self.client, self.reset_kwargs, self.mcp = client, reset_kwargs, mcp
         import jsonschema
 
         self.validator = jsonschema.Draft202012Validator(_without_bookkeeping(observation_schema))
 
     @classmethod
     async def open(cls, url: str, reset_kwargs: dict[str, Any], observation_schema: dict[str, Any],
-                   timeout: float) -> OpenEnvSession:
+                   timeout: float, mcp: bool = False) -> OpenEnvSession:
         from openenv.core.generic_client import GenericEnvClient
 
         client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout)
         await client.connect()
-        return cls(client, reset_kwargs, observation_schema)
+        return cls(client, reset_kwargs, observation_schema, mcp)
 
     async def reset(self, seed: int) -> StepOutcome:
-        return self._outcome(await self.client.reset(seed=seed, **self.reset_kwargs))
+        # An MCP environment's schema is CallToolObservation's: its reset answers with an observation of its own.
+        return self._outcome(await self.client.reset(seed=seed, **self.reset_kwargs), validate=not self.mcp)
 
     async def step(self, action: dict[str, Any]) -> StepOutcome:
-        return self._outcome(await self.client.step(action))
+        return self._outcome(await self.client.step({"type": "call_tool", **action} if self.mcp else action))
 
     async def close(self) -> None:
         await self.client.disconnect()
 
-    def _outcome(self, result: Any) -> StepOutcome:
-        problems = sorted(self.validator.iter_errors(result.observation), key=lambda e: list(e.path))
+    def _outcome(self, result: Any, validate: bool = True) -> StepOutcome:
+        problems = sorted(self.validator.iter_errors(result.observation), key=lambda e: list(e.path)) if validate else []
         if problems:
             raise ValueError(f"the observation does not validate against the server's schema: {problems[0].message} "
                              f"(at {'/'.join(map(str, problems[0].path)) or 'the top'}): {json.dumps(result.observation)[:300]}")
         reward = None if result.reward is None else float(result.reward)
-        return StepOutcome(observation_text(result.observation), reward, bool(result.done))
+        text = tool_result_text(result.observation) if self.mcp and validate else observation_text(result.observation)
+        return StepOutcome(text, reward, bool(result.done))
 
 
 def observation_text(observation: dict[str, Any]) -> str:
@@ -148,6 +162,49 @@ def observation_text(observation: dict[str, Any]) -> str:
     if len(observation) == 1 and isinstance(next(iter(observation.values())), str):
         return next(iter(observation.values()))
     return json.dumps(observation, ensure_ascii=False)
+
+
+def tool_result_text(observation: dict[str, Any]) -> str:
+    """What the model reads of a `call_tool` step: the tool's error, or its result (FastMCP's `data`,
+    else the text of its content blocks, else the JSON)."""
+    if observation.get("error"):
+        error = observation["error"]
+        return f"error ({error.get('error_type', 'error')}): {error.get('message', '')}"
+    result = observation.get("result")
+    if isinstance(result, dict):
+        if result.get("data") is not None:
+            result = result["data"]
+        elif result.get("content"):
+            return "\n".join(block.get("text", "") for block in result["content"] if isinstance(block, dict))
+    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+
+
+def is_mcp(action_schema: dict[str, Any]) -> bool:
+    """Whether a server's Action is openenv-core's `CallToolAction` (an `MCPEnvironment`)."""
+    kind = action_schema.get("properties", {}).get("type", {})
+    return action_schema.get("title") == "CallToolAction" or kind.get("const") == "call_tool"
+
+
+def list_mcp_tools(url: str, timeout: float) -> tuple[dict[str, Any], ...]:
+    """The MCP tools of the environment at `url` (a `list_tools` step in a session of its own), as
+    OpenAI function tools; a ValueError when it lists none."""
+    async def listed() -> list[dict[str, Any]]:
+        from openenv.core.generic_client import GenericEnvClient
+
+        client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout)
+        await client.connect()
+        try:
+            return (await client.step({"type": "list_tools"})).observation.get("tools") or []
+        finally:
+            await client.disconnect()
+
+    with ThreadPoolExecutor(1) as pool:  # asyncio.run refuses to nest in a caller's running loop
+        tools = pool.submit(asyncio.run, listed()).result()
+    if not tools:
+        raise ValueError(f"the OpenEnv server at {url} takes MCP tool calls (CallToolAction) but lists no tools")
+    return tuple({"type": "function", "function": {"name": t["name"], "description": t.get("description") or t["name"],
+                                                   "parameters": t.get("input_schema") or {"type": "object"}}}
+                 for t in tools)
 
 
 def _without_bookkeeping(schema: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from tasks.base import load_task
 
 GUESS = "examples.environments.guess_env:app"
 FAULTY = "tests.tasks.openenv_env_for_tests:app"
+LOOKUP = "examples.environments.lookup_env:app"
 
 
 def _run(tmp_path: Path, model_dir: Path, params: dict, prompts: int = 2, group_size: int = 2,
@@ -70,6 +71,37 @@ def test_guess_episodes_are_stored_step_by_step_and_scored(tmp_path, tiny_model_
     assert sum(row["steps"] for row in by_turn) == sum(len(r.metadata["env_steps"]) for r in rows)
     ended = {row["env_end"]: row["share"] for row in sandbox.query(ENDINGS).to_pylist()}
     assert abs(sum(ended.values()) - 1.0) < 1e-9 and set(ended) <= {"done", "max_turns"}
+
+
+def test_an_environment_with_mcp_tools_offers_them_and_each_call_is_a_step(tmp_path, tiny_model_dir):
+    """lookup_env is an MCPEnvironment: the model is offered its two tools (not one `act` tool), and every
+    call goes through a `call_tool` step whose result is the tool message, with the step's reward and done."""
+    with pytest.raises(ValueError, match=r"acts through its MCP tools \(lookup, answer\): use action: tool"):
+        load_task("openenv", {"app": LOOKUP, "action": "text"})
+    ws, rows = _run(tmp_path, tiny_model_dir, {"app": LOOKUP, "max_turns": 3})
+    assert len(rows) == 4
+    calls = []
+    for r in rows:
+        assert r.finish_reason != "error", r.metadata.get("error")
+        assert r.messages[1].role == "user" and "Which number is stored under the key" in r.messages[1].content
+        assert r.metadata["env"]["tools"] and r.segment_starts == []
+        tools = [m for m in r.messages if m.role == "tool"]
+        steps = r.metadata["env_steps"]
+        assert [m.content for m in tools] == [s["observation"] for s in steps]
+        for s in steps:
+            if s["error"] is not None:  # a call cut off by max_new_tokens: told why, nothing sent
+                assert s["action"] is None and s["reward"] is None
+                continue
+            action = json.loads(s["action"])
+            calls.append(action["tool_name"])
+            if action["tool_name"] == "lookup":
+                assert s["observation"].isdigit() or s["observation"].startswith("no such key"), s
+                assert s["reward"] == 0.0 and not s["done"]
+            else:
+                assert action["tool_name"] == "answer" and s["observation"] in ("correct", "wrong") and s["done"]
+                assert s["reward"] == (1.0 if s["observation"] == "correct" else 0.0)
+        assert r.metadata["env_end"] == ("done" if steps and steps[-1]["done"] else "max_turns")
+    assert set(calls) == {"lookup", "answer"}  # both tools offered and called
 
 
 def _shown_step_by_step(r: Rollout) -> None:
