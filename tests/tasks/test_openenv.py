@@ -155,11 +155,12 @@ def test_text_actions_and_the_server_killed_mid_group(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("fault, message", [
-    ("slow", "step 2: step: no answer within step_timeout_s=2"),
+    ("slow", "step 2: step: no answer within step_timeout_s=4"),
     ("bad", "step 2: step: ValueError: the observation does not validate against the server's schema"),
 ])
 def test_slow_steps_and_invalid_observations_are_error_rows(tmp_path, tiny_model_dir, fault, message):
-    params = {"app": FAULTY, "action": "text", "max_turns": 3, "reset": {"fault": fault}, "step_timeout_s": 2,
+    # 4 s: the other episodes' steps must answer within it on a loaded CI machine; the slow step sleeps 8 s.
+    params = {"app": FAULTY, "action": "text", "max_turns": 3, "reset": {"fault": fault}, "step_timeout_s": 4,
               "max_error_frac": 1.0}
     _, rows = _run(tmp_path, tiny_model_dir, params)
     errors = [r for r in rows if r.finish_reason == "error"]
