@@ -31,6 +31,9 @@ class Sample:
     token_ids: list[int]
     loss_mask: list[int]  # 1 = sampled by the policy (trained on)
     behavior_logprobs: list[float]  # aligned with token_ids; used where loss_mask is 1
+    # A vision-language policy's sample: its image tensors and suppressed ids (stages.policy.vlm.VisionInputs),
+    # fed to the forward pass with the tokens; None for a text model.
+    vision: Any = None
 
 
 @dataclass
