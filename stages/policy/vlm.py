@@ -3,7 +3,7 @@
     policy = VLMPolicy.load(model_dir, ImageStore(settings.images_dir))
     samples = policy.generate(messages, n=4, sampling=SamplingConfig(max_new_tokens=32), seed=7)
     samples[0].token_ids, samples[0].loss_mask, samples[0].behavior_logprobs, samples[0].image_ids
-    policy.training_sample(samples[0])        # stages.update.data.Sample with its pixel inputs
+    visual_training_sample(policy, samples[0])  # stages.update.data: what GRPO trains on, pixels rebuilt
 
 Messages carry OpenAI content parts, `[{"type": "text", "text": ...}, {"type": "image_url", "image_url":
 {"url": "data:image/png;base64,..."}}]`, in any role (a user's screenshot, a tool's cropped view). Each image
@@ -42,8 +42,6 @@ from storage.images import ImageStore, image_bytes_from_url
 
 if TYPE_CHECKING:
     import torch
-
-    from stages.update.data import Sample as TrainingSample
 
 # The processor attributes that name image-structure tokens (Idefics3/SmolVLM, Qwen2-VL and LLaVA-style).
 _IMAGE_TOKEN_ATTRS = ("image_token", "fake_image_token", "global_image_tag", "vision_start_token",
@@ -239,13 +237,6 @@ class VLMPolicy:
             processor=self.fingerprint, text=self.processor.tokenizer.decode(sampled, skip_special_tokens=True),
             finish_reason="stop" if end is not None else "length",
         )
-
-    def training_sample(self, sample: VisualSample) -> TrainingSample:
-        """What the GRPO update trains on: the recorded tokens with the pixel inputs rebuilt from the store."""
-        from stages.update.data import Sample
-
-        return Sample(sample.token_ids, sample.loss_mask, sample.behavior_logprobs,
-                      vision=self.vision_inputs(sample.image_ids, sample.processor))
 
     def logprobs(self, sample: VisualSample, temperature: float = 1.0) -> torch.Tensor:
         """The recorded sample's log-probs recomputed from its tokens and stored images, (T,), 0 off the mask."""

@@ -121,6 +121,7 @@ def test_load_refuses_a_text_model(tiny_model_dir, tmp_path):
 def test_a_grpo_step_on_stored_visual_samples_updates_the_language_lora_only(tiny_vlm_dir, tmp_path):
     from stages.policy.lora import LoRASettings
     from stages.update.config import GRPOConfig
+    from stages.update.data import visual_training_sample
     from stages.update.train import make_optimizer, train_on_batch
 
     base = VLMPolicy.load(tiny_vlm_dir, ImageStore(tmp_path / "images"))
@@ -131,7 +132,7 @@ def test_a_grpo_step_on_stored_visual_samples_updates_the_language_lora_only(tin
     samples = (policy.generate(episode((200, 0, 0), crop=True), n=2, sampling=SAMPLING, seed=1)
                + policy.generate(episode((0, 200, 0), crop=False), n=2, sampling=SAMPLING, seed=2))
     # Stored, then trained from what was stored (no regeneration): tokens, log-probs and image ids only.
-    training = [policy.training_sample(s) for s in samples]
+    training = [visual_training_sample(policy, s) for s in samples]
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     config = GRPOConfig(lr=1e-2, micro_batch_size=4, micro_batch_tokens=None)
     history = train_on_batch(policy.model, make_optimizer(policy.model, None, config), training,
