@@ -118,7 +118,11 @@ class ImageStore:
         if not path.exists():
             row = pa.Table.from_pylist([{**ref.__dict__, "bytes": data}], schema=IMAGES)
             with atomic_file(path) as f:
-                pq.write_table(row, f)
+                # No column statistics (they would hold the bytes' min and max: two more copies of the image,
+                # 3x the file), no dictionary or compression (the encoded image is already compressed), no
+                # Arrow schema blob: ~640 bytes of overhead per image (docs/BENCHMARKS.md).
+                pq.write_table(row, f, write_statistics=False, use_dictionary=False, compression="none",
+                               store_schema=False)
         return ref
 
     def get(self, image_id: str) -> bytes:
