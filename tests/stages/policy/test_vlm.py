@@ -124,15 +124,29 @@ def test_a_grpo_step_on_stored_visual_samples_updates_the_language_lora_only(tin
     from stages.update.data import visual_training_sample
     from stages.update.train import make_optimizer, train_on_batch
 
-    base = VLMPolicy.load(tiny_vlm_dir, ImageStore(tmp_path / "images"))
+    from storage.schema import Rollout, from_table, to_table
+    from storage.workspace import Workspace
+    from tests.factories import tool_episode
+
+    base = VLMPolicy.load(tiny_vlm_dir, ImageStore(tmp_path / "ws" / "images"))
     policy = VLMPolicy(add_vlm_lora(base.model, LoRASettings(r=4, alpha=8)), base.processor, base.store)
     names = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n and "text_model" in n for n in names)  # not the vision tower
     # Two groups: two images (prompt + tool crop) and one image, so a micro-batch pads both tokens and images.
     samples = (policy.generate(episode((200, 0, 0), crop=True), n=2, sampling=SAMPLING, seed=1)
                + policy.generate(episode((0, 200, 0), crop=False), n=2, sampling=SAMPLING, seed=2))
-    # Stored, then trained from what was stored (no regeneration): tokens, log-probs and image ids only.
-    training = [visual_training_sample(policy, s) for s in samples]
+    # Stored as rollout rows in a workspace's Parquet, then trained from what was read back (no regeneration):
+    # tokens, mask, behaviour log-probs (float32) and image ids; the pixels come from the image store.
+    ws = Workspace.open(tmp_path / "ws")
+    rows = [replace(tool_episode("ro-vlm", i // 2, i % 2), token_ids=s.token_ids, loss_mask=s.loss_mask,
+                    behavior_logprobs=s.behavior_logprobs, image_ids=s.image_ids) for i, s in enumerate(samples)]
+    ws.write_part("rollouts", "ro-vlm", to_table(rows), part="part-00000")
+    ws.catalog.complete_artifact("ro-vlm", "rollouts", "rollout", [], "cfg")
+    stored = from_table(ws.query("SELECT * FROM rollouts ORDER BY rollout_id"), Rollout)
+    assert [r.image_ids for r in stored] == [s.image_ids for s in samples]
+    training = [visual_training_sample(policy, replace(s, token_ids=r.token_ids, loss_mask=r.loss_mask,
+                                                       behavior_logprobs=r.behavior_logprobs, image_ids=r.image_ids))
+                for s, r in zip(samples, stored)]
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     config = GRPOConfig(lr=1e-2, micro_batch_size=4, micro_batch_tokens=None)
     history = train_on_batch(policy.model, make_optimizer(policy.model, None, config), training,
