@@ -33,7 +33,9 @@ from storage.ids import artifact_id, config_hash
 from storage.parquet import DataStore
 from storage.schema import ROLLOUTS, Rollout, from_table, now, reward_table
 
-TOKEN_COLUMNS = ("token_ids", "loss_mask", "behavior_logprobs", "segment_starts")
+# Left out of the read unless a reward reads tokens; image_ids too (no reward reads images yet), so a
+# batch written before schema version 3, which lacks that column, still rescores.
+TOKEN_COLUMNS = ("token_ids", "loss_mask", "behavior_logprobs", "segment_starts", "image_ids")
 
 
 class ScoreConfig(BaseModel):

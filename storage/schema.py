@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 # 2: rollouts gained `segment_starts` (files of version 1 lack it and read as one segment each).
-SCHEMA_VERSION = 2
+# 3: rollouts gained `image_ids` (older files lack it and read as no images).
+SCHEMA_VERSION = 3
 
 TOOL_CALL = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
 MESSAGE = pa.struct(
@@ -48,6 +49,9 @@ ROLLOUTS = pa.schema(
         # Offsets in token_ids where a new segment (a separate training sequence) starts, besides 0;
         # empty (or null, in version-1 files): the row is one sequence. See `Rollout.segments`.
         ("segment_starts", pa.list_(pa.int32())),
+        # sha256 ids of the images the episode's model saw, in the order their placeholder tokens appear in
+        # token_ids (storage/images.py; join with the `images` view); empty for a text-only episode.
+        ("image_ids", pa.list_(pa.string())),
         ("num_turns", pa.int32()),
         ("num_tool_calls", pa.int32()),
         ("finish_reason", pa.string()),  # answer | max_turns | max_tokens | error
@@ -158,11 +162,14 @@ class Rollout:
     schema_version: int = SCHEMA_VERSION
     num_tokens: int = 0  # derived: always len(token_ids)
     segment_starts: list[int] = field(default_factory=list)  # see `segments`; empty: one segment
+    image_ids: list[str] = field(default_factory=list)  # stored images, in placeholder order; empty: text only
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.token_ids)
         if self.segment_starts is None:  # a version-1 file read through a view that has the column
             self.segment_starts = []
+        if self.image_ids is None:  # a file older than version 3 read through a view that has the column
+            self.image_ids = []
 
     def segments(self) -> list[tuple[int, int]]:
         """(start, end) of each segment of token_ids, in order.
@@ -266,7 +273,7 @@ def to_table(records: list[R], cls: type[R] | None = None) -> pa.Table:
 
 def from_table(table: pa.Table, cls: type[R]) -> list[R]:
     """Arrow table (from Parquet or DuckDB) -> records. Extra columns are ignored."""
-    optional = {"num_tokens", "segment_starts"}  # derived, or absent from version-1 files: defaults apply
+    optional = {"num_tokens", "segment_starts", "image_ids"}  # derived, or absent from older files: defaults apply
     missing = [f.name for f in fields(cls) if f.name not in table.column_names and f.name not in optional]
     if missing:
         raise KeyError(f"table lacks columns {missing} of {cls.__name__}")

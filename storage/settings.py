@@ -74,6 +74,11 @@ class Settings:
         return self.workspace / "checkpoints"
 
     @property
+    def images_dir(self) -> Path:
+        """The content-addressed image store (storage/images.py)."""
+        return self.workspace / "images"
+
+    @property
     def prefect_home(self) -> Path:
         return self.workspace / "prefect"
 

@@ -3,7 +3,9 @@
 `open_views` builds an in-memory DuckDB with
   - views `rollouts`, `rewards`, `evals` over the files of *complete* artifacts, and
   - tables `artifacts`, `files`, `checkpoints`, `stage_runs`, `runs` loaded from the catalog's
-    Parquet snapshots (never from catalog.duckdb, which a running pipeline holds for writing).
+    Parquet snapshots (never from catalog.duckdb, which a running pipeline holds for writing), and
+  - a view `images` over the workspace's content-addressed image store (storage/images.py), to join
+    with `rollouts.image_ids`.
 
 `Sandbox` is the same, locked down for `rlops sql`: only SELECT/EXPLAIN statements, no file
 access outside the data root, no extension loading, locked configuration, a memory limit and
@@ -26,6 +28,7 @@ import duckdb
 import pyarrow as pa
 
 from storage.catalog import DDL
+from storage.images import IMAGES
 from storage.parquet import DataStore
 from storage.schema import TABLES
 from storage.settings import Settings
@@ -89,7 +92,19 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
             con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind} UNION ALL BY NAME SELECT * FROM _{kind}_files")
         else:
             con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind}")
+    _images_view(con, settings.images_dir)
     return views
+
+
+def _images_view(con: duckdb.DuckDBPyConnection, images_dir: Path) -> None:
+    """The `images` view: one row per stored image (an empty table with the schema when there are none).
+    The files are listed here, not globbed by DuckDB, so a writer's hidden temp file is never read."""
+    paths = sorted(str(p) for p in images_dir.glob("*/*.parquet")) if images_dir.is_dir() else []
+    con.register("_empty_images", pa.Table.from_batches([], schema=IMAGES))
+    con.execute("CREATE TABLE _images AS SELECT * FROM _empty_images")
+    con.unregister("_empty_images")
+    source = f" UNION ALL BY NAME SELECT * FROM read_parquet({_sql_list(paths)})" if paths else ""
+    con.execute(f"CREATE VIEW images AS SELECT * FROM _images{source}")
 
 
 class Sandbox:
@@ -102,6 +117,7 @@ class Sandbox:
         local = "://" not in settings.data_root
         # A local data root is read by DuckDB; a remote one only through the registered datasets.
         allowed = [f"{Path(settings.data_root).resolve()}/"] if local else []
+        allowed.append(f"{settings.images_dir.resolve()}/")  # the image store is always local (storage/images.py)
         for stmt in (
             f"SET allowed_directories={_sql_list(allowed)}",
             "SET enable_external_access=false",

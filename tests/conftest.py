@@ -90,3 +90,41 @@ def _isolated_tracking_uri() -> Iterator[None]:
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     yield
     os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A folder with a tiny random Idefics3 (SmolVLM's architecture: a 1-layer vision tower, 32x32 images in
+    8x8 patches, pixel shuffle to 4 image tokens, the tiny Llama text model) and its processor: the SmolLM2
+    tokenizer plus Idefics3's image tokens, a chatml template that renders OpenAI content parts, and an image
+    processor that resizes every image to one 32x32 tile. Loadable by path (`VLMPolicy.load`)."""
+    import torch
+    from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3ImageProcessorPil, Idefics3Processor)
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>"]})
+    template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 32},
+                                       max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=template, image_seq_len=4)
+    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                tie_word_embeddings=True)
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config)
+    path = tmp_path_factory.mktemp("tiny-idefics3")
+    model.save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    return path

@@ -54,18 +54,23 @@ def _scored_positions(attention_mask: Tensor, positions_mask: Tensor | None) -> 
     return want
 
 
-def _chunk_logprobs(lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
+def _chunk_logprobs(lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
+                    banned: tuple[int, ...] = ()) -> Tensor:
     logits = lm_head(hidden).float() / temperature  # (n, V), one chunk only
+    if banned:  # tokens sampling suppressed (set to -inf, as transformers' SuppressTokensLogitsProcessor does)
+        logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # (n,)
 
 
-def _scored_logprobs(lm: nn.Module, rows: Tensor, targets: Tensor, temperature: float, chunk_size: int) -> Tensor:
+def _scored_logprobs(lm: nn.Module, rows: Tensor, targets: Tensor, temperature: float, chunk_size: int,
+                     banned: tuple[int, ...] = ()) -> Tensor:
     """log p(targets[i] | rows[i]) for hidden states rows (N, H): the output layer a chunk of rows at a
-    time; with gradients each chunk is recomputed in backward, so only (chunk_size, V) logits live."""
+    time; with gradients each chunk is recomputed in backward, so only (chunk_size, V) logits live.
+    `banned` token ids get probability 0 (what sampling suppressed)."""
     lm_head = lm.get_output_embeddings()
     chunks = []
     for start in range(0, rows.shape[0], chunk_size):
-        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature)
+        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature, banned)
         if torch.is_grad_enabled():
             chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
@@ -97,11 +102,38 @@ def token_logprobs(
         position_ids=_position_ids(attention_mask),
         use_cache=False,
     ).last_hidden_state  # (B, T, H)
+    return _logprobs_at(lm, hidden, input_ids, want, temperature, chunk_size)
+
+
+def _logprobs_at(lm: nn.Module, hidden: Tensor, input_ids: Tensor, want: Tensor, temperature: float,
+                 chunk_size: int, banned: tuple[int, ...] = ()) -> Tensor:
+    """(B, T) log-probs of input_ids where `want` (B, T) is True, from the decoder's states hidden (B, T, H)."""
     rows = hidden[:, :-1][want[:, 1:]]  # (N, H): the state before each scored token
     targets = input_ids[:, 1:][want[:, 1:]]  # (N,)
-    scored = _scored_logprobs(lm, rows, targets, temperature, chunk_size)  # (N,)
+    scored = _scored_logprobs(lm, rows, targets, temperature, chunk_size, banned)  # (N,)
     out = torch.zeros(want.shape[0], want.shape[1] - 1, dtype=torch.float32, device=rows.device)
     return F.pad(out.masked_scatter(want[:, 1:], scored), (1, 0))  # (B, T)
+
+
+def visual_token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    vision: Any,
+    positions_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+) -> Tensor:
+    """`token_logprobs` for a vision-language model (transformers `*ForConditionalGeneration`, peft-wrapped
+    or not): the multimodal body (`lm.model`: vision tower, projector, language model) runs on the tokens
+    and the image tensors of `vision` (a `stages.policy.vlm.VisionInputs`), and the tokens sampling
+    suppressed (`vision.banned_ids`) get probability 0. Rows must be right-padded: the model
+    numbers positions itself (Idefics3 from 0, Qwen2-VL by its multimodal rope), as when sampling."""
+    lm = _causal_lm(model)
+    want = _scored_positions(attention_mask, positions_mask)  # (B, T)
+    hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask,
+                      **vision.tensors, use_cache=False).last_hidden_state  # (B, T, H)
+    return _logprobs_at(lm, hidden, input_ids, want, temperature, chunk_size, vision.banned_ids)
 
 
 def shared_prefix_logprobs(

@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.policy.sampling import Sample
+from stages.policy.vlm import has_images
 from storage.schema import Message, ToolCall
 from tasks.base import OPEN_TAG, TOOL_CALL_RE, render_system_prompt
 
@@ -115,6 +116,16 @@ class ChatMessage(_Lenient):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        # The served policies are text models: an image part is refused by name (a 400), not dropped or
+        # reported as a type error. Vision-language policies: stages/policy/vlm.py (not served yet).
+        if has_images(content):
+            raise ValueError("image_url content parts need a vision-language policy; the policy service "
+                             "serves text-only policies")
+        return content
 
     def to_message(self) -> Message:
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)

@@ -23,6 +23,8 @@ from storage.workspace import Workspace
 if TYPE_CHECKING:
     import torch
 
+    from stages.policy.vlm import VisualSample, VLMPolicy
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -31,6 +33,16 @@ class Sample:
     token_ids: list[int]
     loss_mask: list[int]  # 1 = sampled by the policy (trained on)
     behavior_logprobs: list[float]  # aligned with token_ids; used where loss_mask is 1
+    # A vision-language policy's sample: its image tensors and suppressed ids (stages.policy.vlm.VisionInputs),
+    # fed to the forward pass with the tokens; None for a text model.
+    vision: Any = None
+
+
+def visual_training_sample(policy: VLMPolicy, sample: VisualSample) -> Sample:
+    """A vision-language policy's recorded sample as the update trains on it: the recorded tokens and
+    log-probs, with the pixel inputs rebuilt from the workspace's stored images (stages/policy/vlm.py)."""
+    return Sample(sample.token_ids, sample.loss_mask, sample.behavior_logprobs,
+                  vision=policy.vision_inputs(sample.image_ids, sample.processor))
 
 
 @dataclass

@@ -36,11 +36,14 @@ class _MicroBatch:
     prefix: torch.Tensor | None = None
     # (b, T) the log-probs at the start of the step ("old"), kept from the first epoch's forward pass (no extra one)
     old_logp: torch.Tensor | None = None
+    vision: Any = None  # the rows' image tensors (stages.policy.vlm.VisionInputs), for a vision-language policy
 
     def logprobs(self, model: Any, temperature: float) -> torch.Tensor:
         """Per-token log-probs (b, T) of the rows at the scored positions (0 elsewhere)."""
-        from stages.policy.logprobs import shared_prefix_logprobs, token_logprobs
+        from stages.policy.logprobs import shared_prefix_logprobs, token_logprobs, visual_token_logprobs
 
+        if self.vision is not None:
+            return visual_token_logprobs(model, self.input_ids, self.attention_mask, self.vision, self.mask, temperature)
         if self.prefix is None:
             return token_logprobs(model, self.input_ids, self.attention_mask, self.mask, temperature)
         return shared_prefix_logprobs(model, self.prefix, self.input_ids, self.attention_mask, self.mask, temperature)
@@ -94,7 +97,8 @@ def _micro_batches(samples: list[Sample], size: int, device: Any, max_tokens: in
 
     out = []
     alone = list(range(len(samples)))
-    if share_prompts:
+    # A shared prefix runs the language model alone (`shared_prefix_logprobs`), which cannot take images.
+    if share_prompts and all(s.vision is None for s in samples):
         shared, alone = _shared_prompt_batches(samples, size, max_tokens)
         for P, idx in shared:
             S = max(len(samples[i].token_ids) for i in idx) - P
@@ -122,8 +126,19 @@ def _micro_batches(samples: list[Sample], size: int, device: Any, max_tokens: in
             mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
             blp[row, :n] = torch.tensor(s.behavior_logprobs)
         mask[:, 0] = False  # the first token has no predecessor to score it from
-        out.append(_MicroBatch(torch.tensor(idx), ids.to(device), attn.to(device), mask.to(device), blp.to(device)))
+        vision = _stack_vision([samples[i] for i in idx], device)
+        out.append(_MicroBatch(torch.tensor(idx), ids.to(device), attn.to(device), mask.to(device), blp.to(device),
+                               vision=vision))
     return out
+
+
+def _stack_vision(samples: list[Sample], device: Any) -> Any:
+    """The micro-batch's image tensors (stages.policy.vlm.VisionInputs), or None for a text model's samples."""
+    if all(s.vision is None for s in samples):
+        return None
+    from stages.policy.vlm import VisionInputs
+
+    return VisionInputs.stack([s.vision for s in samples]).to(device)
 
 
 # Per-token stats of the loss, averaged over the batch's scored tokens (stages.update.workers averages the shards').

@@ -78,6 +78,18 @@ def test_fields_that_would_change_the_output_are_refused_by_name(served, path, f
     assert served.generate_calls == before  # refused before any compute
 
 
+def test_an_image_sent_to_a_text_policy_is_a_400_naming_the_problem(served):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    before = served.generate_calls
+    r = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "base", "messages": messages}, timeout=120)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "image_url content parts need a vision-language policy" in error["message"]
+    assert error["param"] == "messages.0.content" and error["type"] == "invalid_request_error"
+    assert served.generate_calls == before  # refused before any compute
+
+
 def test_the_openai_client_gets_refusals_as_bad_requests(served):
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client_of(served).chat.completions.create(model="base", messages=OPENING, logit_bias={"1": 3})

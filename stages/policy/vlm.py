@@ -1,0 +1,285 @@
+"""Vision-language policies: OpenAI content parts with images in, token-exact visual samples out.
+
+    policy = VLMPolicy.load(model_dir, ImageStore(settings.images_dir))
+    samples = policy.generate(messages, n=4, sampling=SamplingConfig(max_new_tokens=32), seed=7)
+    samples[0].token_ids, samples[0].loss_mask, samples[0].behavior_logprobs, samples[0].image_ids
+    visual_training_sample(policy, samples[0])  # stages.update.data: what GRPO trains on, pixels rebuilt
+
+Messages carry OpenAI content parts, `[{"type": "text", "text": ...}, {"type": "image_url", "image_url":
+{"url": "data:image/png;base64,..."}}]`, in any role (a user's screenshot, a tool's cropped view). Each image
+is validated and stored content-addressed in the workspace (storage/images.py) before any compute; the
+sample records its images by id, in the order their placeholder tokens appear.
+
+The model is a transformers image-text-to-text class (`*ForConditionalGeneration` with a `vision_config`;
+Idefics3 / SmolVLM is what the tests build) and its processor, loaded from one folder: the processor's own
+chat template renders the messages and expands each image into its placeholder tokens (for Idefics3:
+`<fake_token_around_image><global-img><image>*image_seq_len<fake_token_around_image>`). Those tokens are
+prompt tokens, so `loss_mask` is 0 on them: only sampled tokens are trained.
+
+Pixel inputs are never stored: they are rebuilt from the stored image bytes by the processor's image
+processor, whose settings are part of the model folder (`processor_fingerprint`, recorded per sample and
+checked on rebuild). Generation uses the rebuilt inputs too, so the recorded behaviour log-probs are those of
+exactly what training will feed the model, and recomputing them reproduces them (tests: to 1e-4).
+
+The image-structure tokens are suppressed while sampling (`image_structure_ids`): a sampled `<image>` would
+claim an image that does not exist. The recorded log-probs are those of the suppressed distribution, and the
+recomputation (`stages.policy.logprobs.visual_token_logprobs`) suppresses the same ids.
+
+torch and transformers are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stages.policy.sampling import SamplingConfig, eos_token_ids
+from storage.images import ImageStore, image_bytes_from_url
+
+if TYPE_CHECKING:
+    import torch
+
+# The processor attributes that name image-structure tokens (Idefics3/SmolVLM, Qwen2-VL and LLaVA-style).
+_IMAGE_TOKEN_ATTRS = ("image_token", "fake_image_token", "global_image_tag", "vision_start_token",
+                      "vision_end_token", "boi_token", "eoi_token")
+
+
+def has_images(content: Any) -> bool:
+    """Whether a message content (a string or a list of OpenAI content parts) holds an image part."""
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)
+
+
+def text_content(content: Any, policy: str) -> str:
+    """A text-only policy's view of a message content: the text of its parts joined; ValueError naming the
+    policy when the content holds an image (the service answers 400): a text model cannot see it."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    if has_images(content):
+        raise ValueError(f"policy {policy!r} is text-only and cannot take image_url content parts; "
+                         "use a vision-language base model")
+    return "".join(_part_text(p) for p in content)
+
+
+def _part_text(part: Any) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise ValueError(f"unsupported content part {kind!r}; expected 'text' or 'image_url'")
+    return part["text"]
+
+
+def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Messages in the processor's chat format (`image_url` parts become `{"type": "image"}`) and the encoded
+    bytes of their images, in order of appearance. ValueError on a part that is neither text nor image_url,
+    or an image_url that is not a base64 data URL."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append({**m, "content": [{"type": "text", "text": content or ""}]})
+            continue
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "image_url":
+                url = p.get("image_url", {}).get("url") if isinstance(p.get("image_url"), dict) else None
+                if not isinstance(url, str):
+                    raise ValueError("an image_url part needs {'image_url': {'url': 'data:image/...;base64,...'}}")
+                images.append(image_bytes_from_url(url))
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": _part_text(p)})
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether a transformers model config is a vision-language model's (it carries a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def processor_fingerprint(processor: Any) -> str:
+    """A hash of the image processor's settings (size, resampling, normalisation, splitting) and the image
+    token layout: what decides the pixel inputs and placeholder tokens an image becomes."""
+    settings = processor.image_processor.to_dict()
+    settings["image_seq_len"] = getattr(processor, "image_seq_len", None)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """What a forward pass needs besides the tokens: the image tensors of one sequence (or a micro-batch,
+    after `stack`) and the image-structure token ids that sampling suppressed (scored the same way)."""
+
+    tensors: dict[str, Any]  # e.g. pixel_values (B, n_images, 3, H, W), pixel_attention_mask (B, n_images, H, W)
+    banned_ids: tuple[int, ...]
+
+    @staticmethod
+    def stack(items: list[VisionInputs]) -> VisionInputs:
+        """One micro-batch's inputs: each sequence's images padded with all-zero images to the most any has
+        (Idefics3 drops all-zero images, as it does for its processor's own batches)."""
+        import torch
+
+        seen = next((v.tensors for v in items if v.tensors), None)
+        if seen is None:  # no sequence has an image
+            return VisionInputs({}, items[0].banned_ids)
+        most = max(v.tensors["pixel_values"].shape[1] for v in items if v.tensors)
+        tensors = {}
+        for key, like in seen.items():
+            parts = [v.tensors.get(key, like.new_zeros(1, 0, *like.shape[2:])) for v in items]  # (1, n_i, ...)
+            padded = [torch.cat([t, t.new_zeros(t.shape[0], most - t.shape[1], *t.shape[2:])], 1) for t in parts]
+            tensors[key] = torch.cat(padded, 0)  # (B, most, ...)
+        return VisionInputs(tensors, items[0].banned_ids)
+
+    def to(self, device: Any) -> VisionInputs:
+        return VisionInputs({k: v.to(device) for k, v in self.tensors.items()}, self.banned_ids)
+
+
+@dataclass
+class VisualSample:
+    """One sampled turn of a vision-language policy, recorded token-exact: `token_ids` = the prompt (image
+    placeholder tokens included, loss_mask 0) followed by the sampled tokens (loss_mask 1)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]  # aligned with token_ids; 0 where loss_mask is 0
+    image_ids: list[str]  # storage/images.py ids, in placeholder order
+    processor: str  # processor_fingerprint of the processor that made the tokens and pixels
+    text: str
+    finish_reason: str  # stop | length
+
+
+class VLMPolicy:
+    """A vision-language model (peft-wrapped or not), its processor, and the workspace's image store."""
+
+    def __init__(self, model: Any, processor: Any, store: ImageStore) -> None:
+        self.model = model
+        self.processor = processor
+        self.store = store
+        self.fingerprint = processor_fingerprint(processor)
+        tokenizer = processor.tokenizer
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.banned_ids = image_structure_ids(processor)
+
+    @classmethod
+    def load(cls, path: str | Path, store: ImageStore) -> VLMPolicy:
+        """The model and processor saved in one folder (fp32, eval mode); ValueError if it is not a VLM."""
+        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+        config = AutoConfig.from_pretrained(path)
+        if not is_vision_language(config):
+            raise ValueError(f"{path} is not a vision-language model (its config has no vision_config)")
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype="float32").eval()
+        return cls(model, AutoProcessor.from_pretrained(path), store)
+
+    def prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
+        """The generation prompt's token ids (image placeholders expanded) and the ids of its images, each
+        validated and stored first (ValueError naming a bad image before any compute)."""
+        chat, images = split_images(messages)
+        refs = [self.store.put(data) for data in images]
+        text = self.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        pil = [_decode(data) for data in images]
+        enc = self.processor(text=[text], images=[pil] if pil else None, add_special_tokens=False)
+        return list(enc["input_ids"][0]), [r.image_id for r in refs]
+
+    def vision_inputs(self, image_ids: list[str], processor: str | None = None) -> VisionInputs:
+        """The pixel inputs of one sequence's images (no tensors for none), rebuilt from the stored bytes; ValueError
+        when `processor` (a recorded fingerprint) is not this policy's: the pixels would differ."""
+        if processor is not None and processor != self.fingerprint:
+            raise ValueError(f"the episode was recorded with processor {processor}, this policy's is {self.fingerprint}: "
+                             "its pixel inputs cannot be rebuilt exactly")
+        if not image_ids:
+            return VisionInputs({}, self.banned_ids)
+        pil = [_decode(self.store.get(i)) for i in image_ids]
+        tensors = dict(self.processor.image_processor(images=[pil], return_tensors="pt"))
+        return VisionInputs(tensors, self.banned_ids)
+
+    def generate(self, messages: list[dict[str, Any]], n: int, sampling: SamplingConfig,
+                 seed: int | None = None) -> list[VisualSample]:
+        """Sample n continuations of one conversation (a GRPO group: one prompt, no padding), recording the
+        behaviour log-probs of every sampled token; deterministic for a given seed."""
+        import torch
+        from transformers import LogitsProcessorList
+
+        from stages.policy.hf import _InverseCDFSampler, _LogprobRecorder
+
+        prompt, image_ids = self.prompt(messages)
+        vision = self.vision_inputs(image_ids)
+        greedy = sampling.temperature == 0
+        recorder = _LogprobRecorder(1.0 if greedy else sampling.temperature)
+        processors: list[Any] = [recorder] + ([] if greedy else [_InverseCDFSampler(sampling.temperature)])
+        device = self.model.device
+        ids = torch.tensor([prompt] * n, device=device)  # (n, P)
+        extra = {k: v.repeat(n, *[1] * (v.dim() - 1)).to(device) for k, v in vision.tensors.items()}  # (n, ...)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+            torch.manual_seed(sampling.seed if seed is None else seed)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
+                do_sample=False, top_k=0, top_p=1.0, temperature=1.0, repetition_penalty=1.0,
+                max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id,
+                # Before the recorder (transformers runs its own processors first): what is recorded is
+                # the distribution that was sampled.
+                suppress_tokens=list(self.banned_ids), logits_processor=LogitsProcessorList(processors),
+            )  # (n, P + new); greedy at temperature 0, else our inverse-CDF sampler's pick
+            new = out[:, len(prompt):]
+            logprobs = recorder.finish(new[:, -1])  # (n, new)
+        return [self._sample(prompt, image_ids, row, lps) for row, lps in zip(new.tolist(), logprobs.tolist())]
+
+    def _sample(self, prompt: list[int], image_ids: list[str], new: list[int], lps: list[float]) -> VisualSample:
+        end = next((i + 1 for i, t in enumerate(new) if t in self.eos_ids), None)
+        sampled = new[:end]
+        return VisualSample(
+            token_ids=prompt + sampled, loss_mask=[0] * len(prompt) + [1] * len(sampled),
+            behavior_logprobs=[0.0] * len(prompt) + lps[: len(sampled)], image_ids=image_ids,
+            processor=self.fingerprint, text=self.processor.tokenizer.decode(sampled, skip_special_tokens=True),
+            finish_reason="stop" if end is not None else "length",
+        )
+
+    def logprobs(self, sample: VisualSample, temperature: float = 1.0) -> torch.Tensor:
+        """The recorded sample's log-probs recomputed from its tokens and stored images, (T,), 0 off the mask."""
+        import torch
+
+        from stages.policy.logprobs import visual_token_logprobs
+
+        device = self.model.device
+        ids = torch.tensor([sample.token_ids], device=device)
+        vision = self.vision_inputs(sample.image_ids, sample.processor)
+        with torch.no_grad():
+            return visual_token_logprobs(self.model, ids, torch.ones_like(ids), vision.to(device),
+                                         torch.tensor([sample.loss_mask], device=device), temperature)[0]
+
+
+def add_vlm_lora(model: Any, lora: Any, seed: int | None = None) -> Any:
+    """`stages.policy.lora.add_lora` for a vision-language model: the adapter goes on the language model's
+    `lora.target_modules` only; the vision tower (whose attention reuses names like q_proj) stays frozen,
+    as in verl's and TRL's default VLM LoRA."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from stages.policy.lora import LORA_SEED
+
+    names = "|".join(lora.target_modules)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+                        target_modules=rf"^(?!.*(vision|visual)).*\.({names})$")  # peft full-matches a string
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(LORA_SEED if seed is None else seed)
+        return get_peft_model(model, config)
+
+
+def image_structure_ids(processor: Any) -> tuple[int, ...]:
+    """The ids of the tokens that only the processor may write (image placeholders and their markers)."""
+    tokenizer = processor.tokenizer
+    tokens = [getattr(processor, a) for a in _IMAGE_TOKEN_ATTRS if isinstance(getattr(processor, a, None), str)]
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in tokens}
+    return tuple(sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id))
+
+
+def _decode(data: bytes) -> Any:
+    """Encoded (already validated) image bytes as an RGB PIL image."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
