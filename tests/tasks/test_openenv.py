@@ -188,3 +188,16 @@ def test_bad_environments_are_refused_before_compute(tmp_path, tiny_model_dir):
         _run(tmp_path, tiny_model_dir, {"app": "tests.tasks.openenv_env_for_tests:small", "action": "text"},
              prompts=1, group_size=4, ws=ws)
     assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
+
+
+def test_lamp_env_rewards_each_right_press_and_ends_on_a_wrong_one():
+    from examples.environments.lamp_env import REWARD_PER_LAMP, ButtonAction, LampEnvironment
+
+    env = LampEnvironment()
+    first = env.reset(seed=1_000_000)
+    assert f"Lamp 1 lights up {env.lamps[0].upper()}." in first.message and not first.done
+    right = env.step(ButtonAction(button=env.lamps[0]))
+    assert (right.reward, right.done) == (REWARD_PER_LAMP, False) and env.lamps[1].upper() in right.message
+    wrong = env.step(ButtonAction(button=next(c for c in ("red", "green") if c != env.lamps[1])))
+    assert (wrong.reward, wrong.done) == (0.0, True) and wrong.message.endswith("Game over.")
+    assert LampEnvironment().reset(seed=1_000_000).message == first.message  # a seed is a reproducible episode

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from flows import pipeline
+from flows.run_config import from_dict
 from rewards.builtin import env as env_reward
 from stages import rollout
 from stages.common import StageContext, base_policy
 from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
 from tasks.base import load_task
+from tests.flows.conftest import tiny_config
 
 
 def test_guess_the_number_episodes_are_played_move_by_move(tmp_path, tiny_model_dir):
@@ -42,3 +45,19 @@ def test_guess_the_number_episodes_are_played_move_by_move(tmp_path, tiny_model_
 def test_unknown_and_two_player_games_are_refused(env_id, message):
     with pytest.raises(ValueError, match=message):
         load_task("textarena", {"env_id": env_id})
+
+
+def test_a_tiny_model_trains_on_guess_the_number_end_to_end(tmp_path, tiny_model_dir):
+    data = {**tiny_config(tiny_model_dir, name="ta", steps=1), "sft": None,
+            "task": {"name": "textarena", "params": {"env_id": "GuessTheNumber-v0", "max_turns": 2}},
+            "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8, "max_total_tokens": 1536},
+            "score": {"rewards": [{"name": "env", "fn": "rewards.builtin.env"}]},
+            "eval": {"n_prompts": 2, "every": 1, "metric": "env"}}
+    ws = Workspace.open(tmp_path / "ws")
+    result = pipeline.train(from_dict(data), StageContext(ws, run_name="ta"))
+    assert len(result.policies) == 1 and ws.catalog.get_checkpoint(result.final)["kind"] == "grpo"
+    rows = ws.query("SELECT r.task, r.finish_reason, w.value, w.error FROM rollouts r JOIN rewards w USING (rollout_id) "
+                    "WHERE w.reward_name = 'env'").to_pylist()
+    assert len(rows) == 2 * 2 + 2 * 2  # one step's 2 groups of 2, and the held-out split before and after
+    assert {r["task"] for r in rows} == {"textarena"}
+    assert all(r["finish_reason"] != "error" and r["error"] is None for r in rows)
