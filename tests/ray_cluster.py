@@ -45,8 +45,10 @@ class LocalRayCluster:
         self.address = f"{NODE_IP}:{self.port}"
         # Short: Ray puts unix sockets under it (107-byte path limit).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rlray-", dir="/tmp"))
+        # No drain on SIGTERM: `stop` signals each node's whole process group, so the head's GCS is gone
+        # before its `ray start` asks it to drain the node, and that request waits out the 30 s default.
         self.env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-                    "RAY_USAGE_STATS_ENABLED": "0"}
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
         self.procs: list[subprocess.Popen] = []
         self.worker_node_id: str | None = None
 

@@ -64,3 +64,21 @@ def prefect_server(tmp_path: Path) -> Iterator[str]:
         yield url
     finally:
         stop(proc, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def async_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[dict[str, Any], Any, Any]:
+    """One in-process asynchronous run, K = 1 and 3 steps (tests/flows/test_async.py `async_config`):
+    (its config, its Workspace, its TrainResult). Made once per test process for the tests that read it
+    (test_async: the schedule; test_async_ray: a Ray run gives the same ids); they are in xdist group
+    "async_run", so one xdist worker runs them all and makes it once."""
+    from flows import pipeline
+    from flows.run_config import from_dict
+    from stages.common import StageContext
+    from storage.workspace import Workspace
+    from tests.flows.test_async import async_config
+
+    cfg = async_config(tiny_model_dir, "async", k=1, steps=3)
+    ws = Workspace.open(tmp_path_factory.mktemp("async-run") / "ws")
+    result = pipeline.train(from_dict(cfg), StageContext(ws, run_name=cfg["name"]), on_step=lambda row: None)
+    return cfg, ws, result

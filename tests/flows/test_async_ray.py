@@ -7,6 +7,7 @@ run without Ray: `rollout.workers` and `grpo.workers` are operational."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,18 +19,19 @@ from tests.flows.test_async import _recomputed, async_config
 
 
 @pytest.mark.slow
-def test_async_steps_with_ray_rollout_actors_and_ray_train_follow_the_schedule(tmp_path: Path,
-                                                                               tiny_model_dir: Path) -> None:
+@pytest.mark.xdist_group("async_run")  # with test_async, which reads the same in-process run
+def test_async_steps_with_ray_rollout_actors_and_ray_train_follow_the_schedule(
+        tmp_path: Path, async_run: tuple[dict[str, Any], Workspace, Any]) -> None:
     import ray
 
-    k, steps = 1, 3
-    local_cfg = async_config(tiny_model_dir, "async-ray", k, steps)
+    local_cfg, _, local = async_run  # the same run without Ray (one process, in-process update)
+    k, steps = local_cfg["max_staleness"], local_cfg["steps"]
     ray_cfg = {**local_cfg, "rollout": {**local_cfg["rollout"], "workers": 2, "groups_per_shard": 1},
                "grpo": {**local_cfg["grpo"], "workers": 2},
                "ray": {"local_cpus": 2, "placement_timeout_s": 120}}  # a regression ends in an error, not a hang
     ws = Workspace.open(tmp_path / "ray")
     try:
-        result = pipeline.train(from_dict(ray_cfg), StageContext(ws, run_name="async-ray", ray=from_dict(ray_cfg).ray),
+        result = pipeline.train(from_dict(ray_cfg), StageContext(ws, run_name=ray_cfg["name"], ray=from_dict(ray_cfg).ray),
                                 on_step=lambda row: None)
     finally:
         ray.shutdown()
@@ -47,9 +49,7 @@ def test_async_steps_with_ray_rollout_actors_and_ray_train_follow_the_schedule(t
         others = [p for p in lineage if p != scheduled]
         assert min(float(_recomputed(ws, batch, p).max()) for p in others) > 1e-2
 
-    # The same run without Ray (one process, in-process update): the same ids, step for step.
-    local = pipeline.train(from_dict(local_cfg), StageContext(Workspace.open(tmp_path / "local"), run_name="async-ray"),
-                           on_step=lambda row: None)
+    # The same run without Ray: the same ids, step for step.
     assert (local.batches, local.policies) == (result.batches, result.policies)
 
 

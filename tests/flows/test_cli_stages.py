@@ -1,4 +1,8 @@
-"""The stage commands of `rlops`, as a user runs them: each prints its artifact id as the last line."""
+"""The stage commands of `rlops`, as a user runs them: each prints its artifact id as the last line.
+
+The commands that write run as `rlops` subprocesses; the read-only ones that follow them (eval compare,
+rewards ls, ls) go through the same entry point, `flows.cli.main`, in this process: each subprocess
+spends seconds importing the stack, which a query of the workspace does not need."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from storage.workspace import Workspace
@@ -18,7 +23,16 @@ def _rlops(*args: str) -> subprocess.CompletedProcess:
     return out
 
 
-def test_stage_commands_chain_by_printed_ids(tmp_path, tiny_model_dir):
+def _rlops_read(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """A read-only `rlops` command's stdout, run by `flows.cli.main` in this process."""
+    from flows.cli import main
+
+    capsys.readouterr()  # only this command's output
+    assert main(list(args)) == 0
+    return capsys.readouterr().out
+
+
+def test_stage_commands_chain_by_printed_ids(tmp_path, tiny_model_dir, capsys):
     cfg = tmp_path / "t.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tiny_model_dir, name="cli")))
     ws = ["--workspace", str(tmp_path / "ws")]
@@ -40,9 +54,9 @@ def test_stage_commands_chain_by_printed_ids(tmp_path, tiny_model_dir):
     assert trained["config_hash"] and w.catalog.get_checkpoint(sft)["kind"] == "sft"
 
     base_id = trained["parent_id"]
-    compare = _rlops("eval", "compare", base_id, policy, *ws).stdout
+    compare = _rlops_read(capsys, "eval", "compare", base_id, policy, *ws)
     assert "accuracy" in compare and base_id in compare and policy in compare
-    paired = json.loads(_rlops("eval", "compare", base_id, policy, "--json", *ws).stdout.splitlines()[-1])
+    paired = json.loads(_rlops_read(capsys, "eval", "compare", base_id, policy, "--json", *ws).splitlines()[-1])
     rates = {p: w.query(  # each prompt's success rate in the policy's eval rollouts, by hand
         "SELECT r.prompt_id, avg(CASE WHEN w.value >= 1 THEN 1.0 ELSE 0.0 END) AS rate FROM rollouts r "
         "JOIN rewards w USING (rollout_id) WHERE w.reward_name = 'correct' AND r.split = 'test' "
@@ -51,7 +65,7 @@ def test_stage_commands_chain_by_printed_ids(tmp_path, tiny_model_dir):
     for key, p in (("accuracy_a", base_id), ("accuracy_b", policy)):
         assert abs(paired[key] - sum(r["rate"] for r in rates[p]) / 4) < 1e-9
     assert paired["low"] <= paired["difference"] <= paired["high"]
-    rewards = _rlops("rewards", "ls", *ws).stdout
+    rewards = _rlops_read(capsys, "rewards", "ls", *ws)
     assert "correct" in rewards and "total" in rewards and policy in rewards  # where each version was used
-    listing = _rlops("ls", "checkpoints", *ws).stdout
+    listing = _rlops_read(capsys, "ls", "checkpoints", *ws)
     assert policy in listing and sft in listing

@@ -8,6 +8,10 @@ node. Each stage records where its Ray work ran (MLflow tag `rlops.ray_workers`:
 `<node id>:<pid>:<parent pid>`), and the test checks those against the worker node's id and the
 processes its `ray start` started. The nodes are started without this checkout on their
 PYTHONPATH: the code reaches them through Ray's runtime_env (`ray.ship_code`).
+
+The two two-node tests share one cluster (`two_nodes`, xdist group "two_nodes": one xdist worker starts
+it once). Each test's drivers are their own Ray jobs with their own workspace; a job's actors and
+workers end with its driver, so the second test finds the worker node's 2 CPUs free again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import yaml
@@ -38,27 +43,34 @@ def _placements(ws: Workspace, artifact_id: str) -> list[tuple[str, int, int]]:
     return [(node, int(pid), int(ppid)) for node, pid, ppid in (p.split(":") for p in tag.split(","))]
 
 
-@pytest.mark.slow
-def test_rollout_and_score_run_on_the_worker_node(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[LocalRayCluster]:
+    """A `ray start` head (no CPUs) and worker (2 CPUs), shared by this module's two-node tests."""
     # The nodes import rlops only from what the driver ships (or an installed copy): not from this checkout.
-    node_env = {"PYTHONPATH": ""}
-    with LocalRayCluster(worker_cpus=2, env=node_env) as cluster:
-        cfg = tiny_config(tiny_model_dir, name="cluster", steps=1)
-        cfg.pop("sft")
-        cfg["rollout"].update(workers=2, groups_per_shard=1)  # 2 prompts -> 2 shards -> 2 actors
-        cfg["score"]["workers"] = 2
-        cfg["ray"] = {"address": cluster.address}
-        path = tmp_path / "cluster.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        ws_args = ["--workspace", str(tmp_path / "ws")]
+    with LocalRayCluster(worker_cpus=2, env={"PYTHONPATH": ""}) as cluster:
+        yield cluster
 
-        batch = _rlops(driver_env, "stage", "rollout", str(path), "--policy", "base", *ws_args)
-        scored = _rlops(driver_env, "stage", "score", str(path), "--rollouts", batch, *ws_args)
-        worker_pids = cluster.worker_pids()  # while the node runs: its raylet is every worker's parent
-        # Training uses the same section: two Ray Train DDP workers (the head has no CPU for them).
-        policy = _rlops(driver_env, "stage", "grpo", str(path), "--policy", "base", "--rollouts", batch,
-                        "--reward", "total", "--set", "grpo.workers=2", "--set", "grpo.lr=1e-3", *ws_args)
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_nodes")
+def test_rollout_and_score_run_on_the_worker_node(tmp_path, tiny_model_dir, two_nodes):
+    cluster = two_nodes
+    cfg = tiny_config(tiny_model_dir, name="cluster", steps=1)
+    cfg.pop("sft")
+    cfg["rollout"].update(workers=2, groups_per_shard=1)  # 2 prompts -> 2 shards -> 2 actors
+    cfg["score"]["workers"] = 2
+    cfg["ray"] = {"address": cluster.address}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    ws_args = ["--workspace", str(tmp_path / "ws")]
+
+    batch = _rlops(driver_env, "stage", "rollout", str(path), "--policy", "base", *ws_args)
+    scored = _rlops(driver_env, "stage", "score", str(path), "--rollouts", batch, *ws_args)
+    worker_pids = cluster.worker_pids()  # while the node runs: its raylet is every worker's parent
+    # Training uses the same section: two Ray Train DDP workers (the head has no CPU for them).
+    policy = _rlops(driver_env, "stage", "grpo", str(path), "--policy", "base", "--rollouts", batch,
+                    "--reward", "total", "--set", "grpo.workers=2", "--set", "grpo.lr=1e-3", *ws_args)
 
     ws = Workspace.open(tmp_path / "ws")
     assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 4}]
@@ -119,23 +131,25 @@ def test_every_stage_with_two_ray_workers_shares_a_two_cpu_local_ray(tmp_path, t
 
 
 @pytest.mark.slow
-def test_two_node_every_stage_with_two_ray_workers_and_a_run_too_big_for_the_cluster(tmp_path, tiny_model_dir):
-    with LocalRayCluster(worker_cpus=2, env={"PYTHONPATH": ""}) as cluster:
-        driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        too_big = _shared(tiny_model_dir, "too-big", address=cluster.address)
-        too_big["grpo"]["workers"] = 3
-        path = tmp_path / "too_big.yaml"
-        path.write_text(yaml.safe_dump(too_big))
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "big")],
-                             capture_output=True, text=True, timeout=600, env=driver_env)
-        assert out.returncode != 0
-        assert f"grpo.workers: 3 needs 3 CPUs at once; the Ray cluster at {cluster.address} has 2" in out.stderr
-        assert Workspace.open(tmp_path / "big").query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
+@pytest.mark.xdist_group("two_nodes")
+def test_two_node_every_stage_with_two_ray_workers_and_a_run_too_big_for_the_cluster(tmp_path, tiny_model_dir,
+                                                                                   two_nodes):
+    cluster = two_nodes
+    driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    too_big = _shared(tiny_model_dir, "too-big", address=cluster.address)
+    too_big["grpo"]["workers"] = 3
+    path = tmp_path / "too_big.yaml"
+    path.write_text(yaml.safe_dump(too_big))
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "big")],
+                         capture_output=True, text=True, timeout=600, env=driver_env)
+    assert out.returncode != 0
+    assert f"grpo.workers: 3 needs 3 CPUs at once; the Ray cluster at {cluster.address} has 2" in out.stderr
+    assert Workspace.open(tmp_path / "big").query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
 
-        path = tmp_path / "shared.yaml"
-        path.write_text(yaml.safe_dump(_shared(tiny_model_dir, "shared", address=cluster.address)))
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "ws")],
-                             capture_output=True, text=True, timeout=900, env=driver_env)
-        assert out.returncode == 0, out.stderr[-4000:]
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(_shared(tiny_model_dir, "shared", address=cluster.address)))
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "ws")],
+                         capture_output=True, text=True, timeout=900, env=driver_env)
+    assert out.returncode == 0, out.stderr[-4000:]
     ws = Workspace.open(tmp_path / "ws")
     assert ws.query("SELECT count(*) AS n FROM checkpoints WHERE kind = 'grpo'").to_pylist() == [{"n": 2}]
