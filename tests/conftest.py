@@ -52,6 +52,15 @@ def tokenizer(default_model_dir: Path) -> Any:
     return tok
 
 
+def _tiny_llama(tokenizer: Any) -> dict[str, Any]:
+    """The tiny Llama's config (hidden 32, 2 layers) over `tokenizer`'s vocabulary: the test policy, and
+    the text model of the tiny VLM."""
+    return dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
     """A folder with a tiny random LlamaForCausalLM (hidden 32, 2 layers, SmolLM2's vocabulary) and
@@ -59,19 +68,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
+    config = LlamaConfig(**_tiny_llama(tokenizer))
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -112,10 +109,7 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pa
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 32},
                                        max_image_size={"longest_edge": 32})
     processor = Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=template, image_seq_len=4)
-    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                tie_word_embeddings=True)
+    text = dict(model_type="llama", **_tiny_llama(tok))
     config = Idefics3Config(
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                            image_size=32, patch_size=8),
