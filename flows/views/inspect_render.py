@@ -16,6 +16,7 @@ from typing import Any
 
 from flows.views.inspection import Change, Diff, Episode, Inspection, Score
 from flows.views.pages import esc, fmt, slug, write_page
+from storage.images import marked_parts
 
 # -- terminal --------------------------------------------------------------------------------
 
@@ -261,8 +262,23 @@ def _html_conversation(ep: Episode) -> str:
             f" · result of {esc(m.tool_call_id)}" if m.tool_call_id else "")
         calls = "".join(f"<div class='tool-call'>→ {esc(c.name)}({esc(c.arguments)}) <span class='meta'>{esc(c.id)}</span></div>"
                         for c in m.tool_calls)
-        out.append(f"<div class='msg role-{esc(m.role)}'><div class='role'>{head}</div><pre>{esc(m.content)}</pre>{calls}</div>")
+        out.append(f"<div class='msg role-{esc(m.role)}'><div class='role'>{head}</div>"
+                   f"<pre>{_html_content(m.content, ep.images)}</pre>{calls}</div>")
     return f"<div class='conversation'>{''.join(out)}</div>"
+
+
+def _html_content(text: str | None, images: dict[str, str]) -> str:
+    """A message's text, escaped, with each `[image:<id>]` marker shown as the stored image itself."""
+    out = []
+    for kind, value in marked_parts(text):
+        if kind == "text":
+            out.append(esc(value))
+        elif value in images:
+            out.append(f"<img class='image' src='{esc(images[value])}' alt='image {esc(value[:12])}' "
+                       f"title='image {esc(value)}' data-image-id='{esc(value)}'>")
+        else:
+            out.append(f"<span class='missing-image'>[image {esc(value[:12])}… is not in this workspace's image store]</span>")
+    return "".join(out)
 
 
 def _html_env_steps(ep: Episode) -> str:

@@ -29,6 +29,7 @@ import duckdb
 from stages.checkpoints import UPDATE_KINDS
 from stages.reward_ref import RewardRef
 from stages.score import ScoreConfig
+from storage.images import ImageStore, data_url, marked_parts
 from storage.schema import Message, Rollout, from_table
 from storage.workspace import Workspace
 
@@ -74,6 +75,9 @@ class Episode:
     step: int | None  # the update step (GRPO, DPO or PPO) that trained on its batch (None: not trained on yet)
     segments: list[Segment]
     scores: list[Score]  # every reward name and version scored on it, by name then scoring time
+    # image id -> data URL of each image the episode saw that the workspace's image store holds (pages show
+    # them inline where their `[image:<id>]` markers stand in the messages: storage/images.py)
+    images: dict[str, str] = field(default_factory=dict)
 
     @property
     def rollout_id(self) -> str:
@@ -208,7 +212,7 @@ def inspect_run(ws: Workspace, run: str, reward: str | None = None, step: int | 
             worst = [r for (r,) in con.execute(order.format("ASC", "DESC"),
                                                [name, v, list(batches), min(top, scored - len(best))]).fetchall()]
             picked.append((f"{name}@{v}", scored, errors, mean, best, worst))
-        episodes = _episodes(con, [r for p in picked for r in p[4] + p[5]], batches)
+        episodes = _episodes(con, [r for p in picked for r in p[4] + p[5]], batches, _store(ws))
     view.rankings = [Ranking(ref, scored, errors, mean, [episodes[r] for r in best], [episodes[r] for r in worst])
                      for ref, scored, errors, mean, best, worst in picked]
     return view
@@ -243,7 +247,7 @@ def diff_versions(ws: Workspace, run: str, a: str, b: str, step: int | None = No
             f"SELECT * FROM ({pairs}) WHERE before IS DISTINCT FROM after "
             "ORDER BY (before IS NULL OR after IS NULL) DESC, abs(after - before) DESC, rollout_id LIMIT ?",
             params + [top]).fetchall()
-        episodes = _episodes(con, [r for r, _, _ in rows], batches)
+        episodes = _episodes(con, [r for r, _, _ in rows], batches, _store(ws))
         columns = _columns(con, batches)
     return Diff(run, a, b, step, compared, changed, columns,
                 [Change(episodes[r], before, after) for r, before, after in rows])
@@ -291,9 +295,13 @@ def _columns(con: duckdb.DuckDBPyConnection, batches: dict[str, int | None]) -> 
         "GROUP BY reward_name, reward_version ORDER BY reward_name, min(scored_at)", [list(batches)]).fetchall()]
 
 
-def _episodes(con: duckdb.DuckDBPyConnection, ids: list[str],
-              batches: dict[str, int | None]) -> dict[str, Episode]:
-    """rollout id -> Episode, with its decoded token runs and all its reward rows."""
+def _store(ws: Workspace) -> ImageStore:
+    return ImageStore(ws.settings.images_dir)
+
+
+def _episodes(con: duckdb.DuckDBPyConnection, ids: list[str], batches: dict[str, int | None],
+              images: ImageStore) -> dict[str, Episode]:
+    """rollout id -> Episode, with its decoded token runs, all its reward rows and its stored images."""
     ids = list(dict.fromkeys(ids))
     if not ids:
         return {}
@@ -310,7 +318,20 @@ def _episodes(con: duckdb.DuckDBPyConnection, ids: list[str],
     if unknown:
         raise KeyError(f"policies {unknown} are not in the catalog: no tokenizer to decode their episodes with")
     return {r.rollout_id: Episode(r, batches.get(r.batch_id), token_segments(_tokenizer(base_of[r.policy_id]), r),
-                                  scores.get(r.rollout_id, [])) for r in rollouts}
+                                  scores.get(r.rollout_id, []), image_urls(images, r)) for r in rollouts}
+
+
+def image_urls(store: ImageStore, rollout: Rollout) -> dict[str, str]:
+    """image id -> data URL for the images an episode saw (its `image_ids` and its messages' markers) that
+    `store` holds; one missing from the store is left out (the page says so where its marker stands)."""
+    ids = list(rollout.image_ids) + [i for m in rollout.messages for kind, i in marked_parts(m.content) if kind == "image"]
+    out = {}
+    for i in dict.fromkeys(ids):
+        try:
+            out[i] = data_url(store.get(i))
+        except KeyError:
+            continue
+    return out
 
 
 def _json(text: str | None) -> dict[str, Any] | None:

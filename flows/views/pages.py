@@ -29,6 +29,8 @@ th{background:#f4f4f6}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .role{font-weight:600;font-size:.8rem;text-transform:uppercase;color:#555}
 .role-system{border-color:#999}.role-user{border-color:#3b82f6}.role-assistant{border-color:#16a34a}.role-tool{border-color:#d97706}
 pre{white-space:pre-wrap;word-break:break-word;margin:.2rem 0;font:13px/1.4 ui-monospace,monospace}
+img.image{display:block;min-width:96px;max-width:384px;image-rendering:pixelated;border:1px solid #ddd;margin:.2rem 0}
+.missing-image{color:#b91c1c}
 .tool-call{font:13px ui-monospace,monospace;background:#fff7e6;padding:.1rem .3rem;margin:.15rem 0}
 .explanation{background:#eef6ff;border-left:4px solid #3b82f6;padding:.3rem .5rem;margin:.3rem 0}
 .sampled{background:#dcfce7}.masked{color:#777}.error{color:#b91c1c}
