@@ -35,6 +35,10 @@ def set_activation_checkpointing(model: Any, on: bool) -> None:
         enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
         # Non-reentrant: gradients reach the LoRA weights without requiring grad on the inputs.
         enable({"use_reentrant": False})  # first parameter of both: the torch.utils.checkpoint kwargs
+        # ...so undo what enabling also did: hook every embedding layer to make its output require grad.
+        # For a vision-language model that includes the frozen vision tower's patch embeddings, and the
+        # backward pass then ran through the whole vision tower (and kept its activations) for nothing.
+        lm.disable_input_require_grads()
     elif not on and active:
         (getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable)()
 
