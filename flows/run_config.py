@@ -144,7 +144,29 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"sft.data: file not found: {cfg.sft.data}")
     if cfg.base_model != DEFAULT_MODEL and cfg.base_model.startswith((".", "/", "~")) and not Path(cfg.base_model).expanduser().exists():
         problems.append(f"base_model: folder not found: {cfg.base_model}")
-    return problems
+    return problems + vision_language_problems(cfg)
+
+
+def vision_language_problems(cfg: RunConfig) -> list[str]:
+    """What the run asks of a vision-language base model that the VLM path does not support yet
+    (stages.policy.vlm_episodes.unsupported_with_vlm), one `base_model: ...` line each; none for a text model."""
+    from stages.policy.vlm import is_vision_language_model
+    from stages.policy.vlm_episodes import unsupported_with_vlm
+    from tasks.base import load_task
+
+    if not is_vision_language_model(cfg.base_model):
+        return []
+    try:
+        task = load_task(cfg.task.name, cfg.task.params)
+    except Exception:  # noqa: BLE001 - reported by semantic_problems already
+        task = None
+    found = unsupported_with_vlm(
+        backend=cfg.rollout.backend, rollout_workers=cfg.rollout.workers, top_p=cfg.rollout.top_p, stop=cfg.rollout.stop,
+        task=task, update=cfg.algorithm, update_workers=getattr(getattr(cfg, cfg.algorithm), "workers", 1),
+        max_staleness=cfg.max_staleness)
+    if cfg.sft is not None:
+        found += unsupported_with_vlm(update="sft")
+    return [f"base_model: {cfg.base_model} is a vision-language model; not supported with it yet: {p}" for p in found]
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
