@@ -27,7 +27,7 @@ from stages.cluster import connect, pinned, spread
 from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
 from stages.policy.session import PolicySession
 from stages.policy.vlm import is_vision_language_model
-from stages.policy.vlm_episodes import refuse_unsupported, unsupported_with_vlm
+from stages.policy.vlm_episodes import refuse_unsupported, task_policy_problem, unsupported_with_vlm
 from storage.checkpoints import local_copy
 from storage.schema import Rollout, to_table
 from tasks.base import Prompt, content_digest, load_task
@@ -227,9 +227,12 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
             raise KeyError(f"prompt ids not in the {split!r} split of {task.name}: {missing[:5]}")
         prompts = [by_id[i] for i in prompt_ids]
     base_model, adapter_dir = resolve_policy(ctx.ws, policy_id)
-    if is_vision_language_model(base_model):
+    visual = is_vision_language_model(base_model)
+    if visual:
         refuse_unsupported(base_model, unsupported_with_vlm(backend=config.backend, rollout_workers=config.workers,
                                                             top_p=config.top_p, stop=config.stop, task=task_obj))
+    elif problem := task_policy_problem(task_obj, visual):
+        raise ValueError(f"{base_model}: {problem}")
     stage_config = {"rollout": config,
                     "task": task.model_dump(), "split": split, "step": step,
                     "prompt_ids": [p.prompt_id for p in prompts], "task_content": content_digest(task_obj, prompts)}

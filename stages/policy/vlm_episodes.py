@@ -66,6 +66,14 @@ def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, top_p
     return problems
 
 
+def task_policy_problem(task: Task, vision_language: bool) -> str | None:
+    """Why `task` cannot run on the policy, if it cannot: a task that shows images needs a vision-language one."""
+    if task.images is not None and not vision_language:
+        return (f"task {task.name!r} shows images, and the base model is text-only: use a vision-language base "
+                "model (a folder whose config.json has a vision_config)")
+    return None
+
+
 def refuse_unsupported(base_model: str, problems: list[str]) -> None:
     """ValueError naming every unsupported setting (`unsupported_with_vlm`) of a run on a VLM base model."""
     if problems:

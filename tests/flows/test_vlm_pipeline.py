@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 from flows import pipeline
 from flows.run_config import from_dict, vision_language_problems
 from stages import evaluate, rollout, sft
-from stages.common import StageContext
+from stages.common import StageContext, base_policy
 from stages.policy.vlm import VisualSample, VLMPolicy, processor_fingerprint
 from stages.sft import SFTConfig
 from storage.images import ImageStore
 from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
+from tasks.base import load_task
 from tasks.count_shapes import draw_png
 
 
@@ -108,11 +109,22 @@ def test_what_a_vlm_does_not_support_yet_is_a_config_problem_naming_it(tiny_vlm_
     cfg = from_dict(_config(tiny_vlm_dir, task={"name": "doc_search"}, algorithm="dpo", max_staleness=1,
                             rollout={"backend": "vllm", "workers": 2, "top_p": 0.9},
                             sft={"data": "oracle"}))
-    problems = "\n".join(vision_language_problems(cfg))
+    problems = "\n".join(vision_language_problems(cfg, load_task("doc_search")))
     for named in ("rollout.backend 'vllm'", "rollout.workers 2", "rollout.top_p 0.9", "task 'doc_search'",
                   "dpo (its loss has no pixel inputs", "max_staleness 1", "sft (its loss"):
         assert named in problems
-    assert vision_language_problems(from_dict(_config(tiny_vlm_dir))) == []
+    good = _config(tiny_vlm_dir)
+    assert vision_language_problems(from_dict(good), load_task(**good["task"])) == []
+
+
+def test_a_text_model_on_a_visual_task_is_refused_naming_the_problem(tiny_model_dir, tmp_path):
+    cfg = _config(tiny_model_dir)
+    [problem] = vision_language_problems(from_dict(cfg), load_task(**cfg["task"]))
+    assert "task 'count_shapes' shows images, and the base model is text-only" in problem
+    ws = Workspace.open(tmp_path / "ws")
+    ctx = StageContext(ws, run_name="text")
+    with pytest.raises(ValueError, match="shows images, and the base model is text-only"):
+        rollout.run(rollout.RolloutConfig(), ctx, base_policy(ws, str(tiny_model_dir)), rollout.TaskSpec(**cfg["task"]))
 
 
 def test_the_stages_refuse_it_before_compute(run, tiny_vlm_dir):
