@@ -81,7 +81,7 @@ def build_app(service: PolicyService) -> Any:
 
     @app.exception_handler(ServiceError)
     async def _refused(request: Request, exc: ServiceError) -> JSONResponse:
-        return error(request, exc.status, str(exc), exc.code)
+        return error(request, exc.status, str(exc), exc.code, exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:

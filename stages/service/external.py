@@ -223,7 +223,8 @@ def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None) -> 
         extra = {**extra, "messages_note": note}
     last = next((m for m in reversed(messages) if m.role == "assistant"), None)
     return dict(messages=messages, token_ids=t.token_ids, loss_mask=t.loss_mask, behavior_logprobs=t.behavior_logprobs,
-                segment_starts=t.segment_starts, num_turns=t.num_turns, num_tool_calls=_tool_messages(messages),
+                segment_starts=t.segment_starts, image_ids=t.image_ids, num_turns=t.num_turns,
+                num_tool_calls=_tool_messages(messages),
                 finish_reason="answer" if last is not None and not last.tool_calls else "max_turns",
                 truncated=t.finish_reason == "length", metadata={**prompt.metadata, **extra, **_constrained(t)})
 

@@ -68,7 +68,7 @@ class ResponsesAPI:
     def _chat(self, req: ResponsesRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
         """The chat request a Responses request means, and its conversation without the instructions."""
         history = list(self.store.get(req.previous_response_id)) if req.previous_response_id else []
-        history += [m.to_openai() for m in req.messages()]
+        history += req.messages()
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
         chat = ChatRequest(model=req.model, messages=system + history, tools=req.chat_tools(),
                            max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
