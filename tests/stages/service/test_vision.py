@@ -6,7 +6,6 @@ Responses-API calls with images, and the 400s for bad images, before any compute
 from __future__ import annotations
 
 import base64
-import json
 
 import httpx
 import openai
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from stages.policy.sampling import SamplingConfig
-from stages.policy.vlm import VisualSample, VLMPolicy
+from stages.policy.vlm import VisualSample
 from stages.policy.vlm_resident import VisualResidentPolicy, load_resident
 from stages.service.external import run_agent_shard
 from stages.service.resolve import fixed_resolver
@@ -225,3 +224,40 @@ def test_an_assistant_image_and_a_spelled_reference_are_refused(served):
 def test_a_text_only_base_loads_as_a_text_policy(tiny_model_dir, tmp_path):
     resident = load_resident(str(tiny_model_dir), "hf", ImageStore(tmp_path))
     assert not isinstance(resident, VisualResidentPolicy)
+
+
+def test_rlops_serve_serves_a_vision_language_base(tmp_path, tiny_vlm_dir, image_root):
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--base-model", str(tiny_vlm_dir), "--port",
+                             str(port), "--workspace", str(tmp_path / "ws"), "--image-root", str(image_root),
+                             "--max-images", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/v1/models").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        image = {"type": "image_url", "image_url": {"url": "shot.png"}}  # a path under the image root
+        r = client.chat.completions.create(model="base", max_tokens=3, messages=[{"role": "user", "content": [image]}])
+        assert r.usage.prompt_tokens > r.usage.completion_tokens > 0
+        with pytest.raises(openai.BadRequestError, match="at most 1"):
+            client.chat.completions.create(model="base", messages=[{"role": "user", "content": [image, image]}])
+        stored = list((tmp_path / "ws" / "images").rglob("*.parquet"))
+        assert [p.stem for p in stored] == [image_id(SHOT)]  # in the workspace's image store
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
