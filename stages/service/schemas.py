@@ -11,6 +11,11 @@ sent as `null` means "not set" and is always accepted. Nested objects (messages,
 ignoring extra keys (`annotations`, `refusal`, `index`): clients echo them back. `tool_choice`,
 `parallel_tool_calls`, `response_format` and `top_logprobs` are honoured or refused by
 stages/service/decoding.py.
+
+Content parts: `text` and `image_url` in chat messages (not in an assistant's), `input_text`,
+`output_text` and `input_image` in Responses items. Whether images are taken is the policy's
+business: the service refuses them for a text-only policy and stores them for a vision-language
+one (`ChatRequest.conversation(mark)`).
 """
 
 from __future__ import annotations

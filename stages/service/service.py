@@ -16,8 +16,15 @@ sampling settings in one `generate` call (n > 1 is n prompts of that call). A re
 `seed` is generated alone, so the same request with the same seed repeats exactly; unseeded calls
 draw their batch seed from the service's seeded stream.
 
-A refused request raises `ServiceError` with its HTTP status and OpenAI error code (the app turns it
-into an OpenAI-style error body).
+Images: a vision-language base (`stages.policy.vlm_resident.VisualResidentPolicy`) takes `image_url`
+parts; each request's images are validated and stored in the workspace's image store before any
+compute (`_conversation`: at most `max_images`, local files only under `image_root`), referenced from the
+records by id, and expanded into placeholder tokens by the policy's `VisualChatFormat`. A request with
+images is generated alone (its n samples share its pixel inputs); the recorder keeps each call's image ids.
+A text-only policy answers an image with a 400.
+
+A refused request raises `ServiceError` with its HTTP status, OpenAI error code and the field it names
+(the app turns it into an OpenAI-style error body).
 """
 
 from __future__ import annotations
