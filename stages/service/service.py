@@ -48,8 +48,8 @@ from stages.policy.vlm_resident import DEFAULT_MAX_IMAGES, VisualResidentPolicy
 from stages.service.decoding import request_decoding
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.service.resolve import Resolver
-from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, stop_hit, visible_text,
-                                    without_tool_calls)
+from stages.service.schemas import (ChatRequest, CompletionRequest, ContentMarker, call_id, logprobs_content, stop_hit,
+                                    visible_text, without_tool_calls)
 from stages.service.stream import ChoiceText, TokenFeed, chat_sse, completion_sse
 from storage.schema import Message, ToolCall
 from tasks.base import parse_tool_calls
@@ -111,6 +111,8 @@ class PolicyService:
         # A vision-language policy's format expands image references into placeholder tokens (vlm_chat.py).
         self.vision = policy if isinstance(policy, VisualResidentPolicy) else None
         self.chat = self.vision.chat if self.vision else ChatFormat(policy.tokenizer)
+        # How a message content becomes a record's: images stored and referenced; None: a text policy takes none.
+        self.mark: ContentMarker | None = self._mark if self.vision else None
         self.recorder = Recorder()
         self.generate_calls = 0  # generate calls made (batching is visible in tests and benchmarks)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -286,7 +288,7 @@ class PolicyService:
             raise ServiceError(400, f"the request holds {count} images; this service takes at most "
                                     f"{self.config.max_images} per request (max_images)", "too_many_images", "messages")
         try:
-            return req.conversation(self._mark if self.vision else None)
+            return req.conversation(self.mark)
         except ValueError as e:
             raise ServiceError(400, str(e), "invalid_image") from None
 

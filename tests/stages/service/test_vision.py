@@ -64,7 +64,10 @@ async def visual_agent(client: openai.AsyncOpenAI, model: str, question: str) ->
     messages += [turn.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": [{"type": "text", "text": "zoomed:"}, image_part(CROP)]}]
     final = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8)
-    return {"metadata": {"sampled": [first.usage.completion_tokens, final.usage.completion_tokens]}}
+    metadata = {"sampled": [first.usage.completion_tokens, final.usage.completion_tokens]}
+    if question.startswith("Return"):  # the conversation as the agent holds it: images as data URLs
+        return {"messages": messages + [final.choices[0].message.model_dump(exclude_none=True)], "metadata": metadata}
+    return {"metadata": metadata}
 
 
 def stored_messages_as_openai(messages, store: ImageStore) -> list[dict]:
@@ -83,15 +86,21 @@ def stored_messages_as_openai(messages, store: ImageStore) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def episode(policy) -> Rollout:
-    """The visual agent's episode through the policy service, as the rollout stage stores it."""
+def episodes(policy) -> list[Rollout]:
+    """Two of the visual agent's episodes through the policy service, as the rollout stage stores them: the second
+    agent returns its conversation."""
     agent = AgentSpec(entry="test:visual_agent", fn=visual_agent, version="t", max_error_frac=0.0, episode_timeout=120)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=40)
     table = run_agent_shard(policy, agent, policy_id="base", adapter_dir=None, task_name="look", sampling=sampling,
                             group_size=1, max_total_tokens=1024, sampling_record={"temperature": 1.0}, batch_id="ro-vis",
-                            split="train", groups=[(0, Prompt("p0", "How many squares?", {}))], base_seed=5)
-    (row,) = from_table(table, Rollout)
-    return row
+                            split="train", base_seed=5, groups=[(0, Prompt("p0", "How many squares?", {})),
+                                                                (1, Prompt("p1", "Return how many squares?", {}))])
+    return from_table(table, Rollout)
+
+
+@pytest.fixture(scope="module")
+def episode(episodes) -> Rollout:
+    return episodes[0]
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int]]:
@@ -261,3 +270,12 @@ def test_rlops_serve_serves_a_vision_language_base(tmp_path, tiny_vlm_dir, image
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_an_agents_returned_conversation_is_stored_with_image_references(policy, episodes):
+    returned = episodes[1]
+    assert "messages_note" not in returned.metadata, returned.metadata["messages_note"]
+    user, call, tool, answer = returned.messages  # the agent's own (no system message: the service wrote that)
+    assert user.content == f"<image:{image_id(SHOT)}>Return how many squares?" and tool.content == f"zoomed:<image:{image_id(CROP)}>"
+    assert call.tool_calls and answer.role == "assistant"
+    assert returned.image_ids == [image_id(SHOT), image_id(CROP)]
