@@ -106,15 +106,16 @@ def test_a_rerun_reuses_every_stage(run):
 
 
 def test_what_a_vlm_does_not_support_yet_is_a_config_problem_naming_it(tiny_vlm_dir):
-    cfg = from_dict(_config(tiny_vlm_dir, task={"name": "doc_search"}, algorithm="dpo", max_staleness=1,
-                            rollout={"backend": "vllm", "workers": 2, "top_p": 0.9},
+    cfg = from_dict(_config(tiny_vlm_dir, algorithm="dpo", max_staleness=1, rollout={"backend": "vllm", "workers": 2},
                             sft={"data": "oracle"}))
-    problems = "\n".join(vision_language_problems(cfg, load_task("doc_search")))
-    for named in ("rollout.backend 'vllm'", "rollout.workers 2", "rollout.top_p 0.9", "task 'doc_search'",
-                  "dpo (its loss has no pixel inputs", "max_staleness 1", "sft (its loss"):
+    problems = "\n".join(vision_language_problems(cfg, load_task(**cfg.task.model_dump())))
+    for named in ("rollout.backend 'vllm'", "rollout.workers 2", "dpo (its loss has no pixel inputs", "max_staleness 1",
+                  "sft (its loss"):
         assert named in problems
-    good = _config(tiny_vlm_dir)
-    assert vision_language_problems(from_dict(good), load_task(**good["task"])) == []
+    # Multi-turn tasks with tools (the zoom variant), text tasks, top_p and stop strings run.
+    for task in ({"name": "count_shapes", "params": {"zoom_turns": 2, "n_train": 8, "n_test": 4}}, {"name": "doc_search"}):
+        good = from_dict(_config(tiny_vlm_dir, task=task, rollout={"top_p": 0.9, "stop": ["</tool_call>"]}))
+        assert vision_language_problems(good, load_task(**task)) == []
 
 
 def test_a_text_model_on_a_visual_task_is_refused_naming_the_problem(tiny_model_dir, tmp_path):
