@@ -65,10 +65,16 @@ def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, task:
 
 
 def task_policy_problem(task: Task, vision_language: bool) -> str | None:
-    """Why `task` cannot run on the policy, if it cannot: a task that shows images needs a vision-language one."""
-    if task.images is not None and not vision_language:
+    """Why `task` cannot run on the policy, if it cannot: a task that shows images needs a vision-language one,
+    and so do tools bound to a prompt (`Task.prompt_tools`: only the visual loop runs them yet)."""
+    if vision_language:
+        return None
+    if task.images is not None:
         return (f"task {task.name!r} shows images, and the base model is text-only: use a vision-language base "
                 "model (a folder whose config.json has a vision_config)")
+    if task.prompt_tools is not None:
+        return (f"task {task.name!r} has tools bound to its prompts (prompt_tools), which only a vision-language "
+                "policy's episodes run yet")
     return None
 
 

@@ -18,11 +18,12 @@ from flows.run_config import from_dict, vision_language_problems
 from stages import evaluate, rollout, sft
 from stages.common import StageContext, base_policy
 from stages.policy.vlm import VisualSample, VLMPolicy, processor_fingerprint
+from stages.policy.vlm_episodes import task_policy_problem
 from stages.sft import SFTConfig
 from storage.images import ImageStore
 from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
-from tasks.base import load_task
+from tasks.base import Task, load_task
 from tasks.count_shapes import draw_png
 
 
@@ -126,6 +127,10 @@ def test_a_text_model_on_a_visual_task_is_refused_naming_the_problem(tiny_model_
     ctx = StageContext(ws, run_name="text")
     with pytest.raises(ValueError, match="shows images, and the base model is text-only"):
         rollout.run(rollout.RolloutConfig(), ctx, base_policy(ws, str(tiny_model_dir)), rollout.TaskSpec(**cfg["task"]))
+    # Tools bound to a prompt run in the visual loop only, so far.
+    bound = Task(name="lookup", system_prompt="", prompts=lambda split: [], prompt_tools=lambda prompt: {})
+    assert "tools bound to its prompts" in task_policy_problem(bound, False)
+    assert task_policy_problem(bound, True) is None
 
 
 def test_the_stages_refuse_it_before_compute(run, tiny_vlm_dir):
