@@ -15,10 +15,11 @@ Why one small Parquet file per image rather than a table in the catalog or plain
   `rollouts.image_ids` (storage/sql.py), e.g. counting a batch's distinct images or bytes.
 A group sharing its prompt image stores it once; that is the deduplication.
 
-In a stored message (`storage.schema.Message.content`, a string) an image part is the marker
-`[image:<image_id>]` at its place among the text parts (`image_marker`, `marked_parts`): the messages
-column keeps its type, a reader sees where each image was, and SQL finds them (in order) with
-`flatten(list_transform(messages, lambda m: regexp_extract_all(m.content, '\\[image:([0-9a-f]{64})\\]', 1)))`.
+In a stored message (`storage.schema.Message.content`, a string) an image part is the reference
+`<image:SHA256>` at its place among the text parts (`image_ref`, `marked_parts`; only user, system and tool
+messages carry them: an assistant's text is the model's, never read for references): the messages column
+keeps its type, a reader sees where each image was, and SQL finds them (in order) with
+`flatten(list_transform(messages, lambda m: regexp_extract_all(m.content, '<image:([0-9a-f]{64})>', 1)))`.
 The bytes are only in the store.
 
 Images are validated before anything is stored: bytes that do not decode, or a format outside
@@ -43,7 +44,7 @@ from storage.atomic import atomic_file
 # What PIL decodes without extra codecs, and what OpenAI's and Anthropic's APIs accept.
 SUPPORTED_FORMATS = ("png", "jpeg", "webp", "gif")
 # An image's place in a stored message's text (see the module docstring).
-IMAGE_MARKER = re.compile(r"\[image:([0-9a-f]{64})\]")
+IMAGE_REF = re.compile(r"<image:([0-9a-f]{64})>")
 # Decompression-bomb guard: a 1x1 billion-pixel PNG is a few kB. Far above any screenshot.
 MAX_PIXELS = 40_000_000
 
@@ -71,15 +72,15 @@ def image_id(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def image_marker(image_id: str) -> str:
-    """The text that stands for a stored image in a stored message's content."""
-    return f"[image:{image_id}]"
+def image_ref(image_id: str) -> str:
+    """How a stored message's content refers to a stored image."""
+    return f"<image:{image_id}>"
 
 
 def marked_parts(text: str | None) -> list[tuple[str, str]]:
     """A stored message's content as its parts in order: ("text", str) and ("image", image_id); empty text
-    between markers is left out. The inverse of joining texts and `image_marker`s."""
-    pieces = IMAGE_MARKER.split(text or "")  # text, id, text, id, ..., text
+    between references is left out. The inverse of joining texts and `image_ref`s."""
+    pieces = IMAGE_REF.split(text or "")  # text, id, text, id, ..., text
     return [("image" if i % 2 else "text", p) for i, p in enumerate(pieces) if p]
 
 

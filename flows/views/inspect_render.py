@@ -263,12 +263,12 @@ def _html_conversation(ep: Episode) -> str:
         calls = "".join(f"<div class='tool-call'>→ {esc(c.name)}({esc(c.arguments)}) <span class='meta'>{esc(c.id)}</span></div>"
                         for c in m.tool_calls)
         out.append(f"<div class='msg role-{esc(m.role)}'><div class='role'>{head}</div>"
-                   f"<pre>{_html_content(m.content, ep.images)}</pre>{calls}</div>")
+                   f"<pre>{esc(m.content) if m.role == 'assistant' else _html_content(m.content, ep.images)}</pre>{calls}</div>")
     return f"<div class='conversation'>{''.join(out)}</div>"
 
 
 def _html_content(text: str | None, images: dict[str, str]) -> str:
-    """A message's text, escaped, with each `[image:<id>]` marker shown as the stored image itself."""
+    """A message's text, escaped, with each `<image:SHA256>` reference shown as the stored image itself."""
     out = []
     for kind, value in marked_parts(text):
         if kind == "text":

@@ -76,7 +76,7 @@ class Episode:
     segments: list[Segment]
     scores: list[Score]  # every reward name and version scored on it, by name then scoring time
     # image id -> data URL of each image the episode saw that the workspace's image store holds (pages show
-    # them inline where their `[image:<id>]` markers stand in the messages: storage/images.py)
+    # them inline where their `<image:SHA256>` references stand in the messages: storage/images.py)
     images: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -324,7 +324,8 @@ def _episodes(con: duckdb.DuckDBPyConnection, ids: list[str], batches: dict[str,
 def image_urls(store: ImageStore, rollout: Rollout) -> dict[str, str]:
     """image id -> data URL for the images an episode saw (its `image_ids` and its messages' markers) that
     `store` holds; one missing from the store is left out (the page says so where its marker stands)."""
-    ids = list(rollout.image_ids) + [i for m in rollout.messages for kind, i in marked_parts(m.content) if kind == "image"]
+    ids = list(rollout.image_ids) + [i for m in rollout.messages if m.role != "assistant"
+                                     for kind, i in marked_parts(m.content) if kind == "image"]
     out = {}
     for i in dict.fromkeys(ids):
         try:

@@ -37,16 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from stages.policy.chat import ChatFormat
-from storage.images import ImageStore, image_bytes_from_source
+from storage.images import IMAGE_REF, ImageStore, image_bytes_from_source, image_ref, marked_parts
 from storage.schema import Message
 
-IMAGE_REF = re.compile(r"<image:([0-9a-f]{64})>")
 _EXPANSIONS_KEPT = 4096  # expansion texts memoised per image id (a few hundred bytes each)
-
-
-def image_ref(image_id: str) -> str:
-    """How a message's content refers to a stored image."""
-    return f"<image:{image_id}>"
 
 
 def marked_content(content: Any, store: ImageStore, file_root: Path | None = None) -> str | None:
@@ -90,13 +84,7 @@ def parts(message: Message) -> list[dict[str, Any]]:
     text = message.content or ""
     if message.role == "assistant" or not IMAGE_REF.search(text):
         return [{"type": "text", "text": text}]
-    out: list[dict[str, Any]] = []
-    for k, piece in enumerate(IMAGE_REF.split(text)):  # text, id, text, id, ..., text
-        if k % 2:
-            out.append({"type": "image"})
-        elif piece:
-            out.append({"type": "text", "text": piece})
-    return out
+    return [{"type": "image"} if kind == "image" else {"type": "text", "text": piece} for kind, piece in marked_parts(text)]
 
 
 class VisualChatFormat(ChatFormat):

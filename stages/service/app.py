@@ -31,6 +31,7 @@ from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
 
+from stages.service.completions import completion, completion_stream
 from stages.service.messages import CountTokensRequest, MessagesAPI, MessagesRequest, anthropic_error
 from stages.service.responses import ResponsesAPI
 from stages.service.schemas import ChatRequest, CompletionRequest, ResponsesRequest, UnsupportedField, error_body
@@ -99,8 +100,8 @@ def build_app(service: PolicyService) -> Any:
 
     async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.stream:
-            return _events(service.completion_stream(req, episode_of(request, req.user)))
-        return await service.completion(req, episode_of(request, req.user))
+            return _events(completion_stream(service, req, episode_of(request, req.user)))
+        return await completion(service, req, episode_of(request, req.user))
 
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "rlops"}

@@ -4,7 +4,8 @@
     service = PolicyService(ResidentPolicy.load(base), resolve, names=names)
     body = await service.chat_completion(request, episode_id)   # what POST /v1/chat/completions returns
 
-The HTTP app around it is stages/service/app.py. The `model` field names a policy, resolved per request
+The HTTP app around it is stages/service/app.py (the legacy `/v1/completions` endpoint: completions.py).
+The `model` field names a policy, resolved per request
 (stages/service/resolve.py); adapters are hot-loaded by the resident policy.
 
 Episodes: a call is recorded under the episode id of its `X-Episode-Id` header, else of its `user`
@@ -48,9 +49,9 @@ from stages.policy.vlm_resident import DEFAULT_MAX_IMAGES, VisualResidentPolicy
 from stages.service.decoding import request_decoding
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.service.resolve import Resolver
-from stages.service.schemas import (ChatRequest, CompletionRequest, ContentMarker, call_id, logprobs_content, stop_hit,
-                                    visible_text, without_tool_calls)
-from stages.service.stream import ChoiceText, TokenFeed, chat_sse, completion_sse
+from stages.service.schemas import (ChatRequest, ContentMarker, call_id, logprobs_content, stop_hit, visible_text,
+                                    without_tool_calls)
+from stages.service.stream import ChoiceText, TokenFeed, chat_sse
 from storage.schema import Message, ToolCall
 from tasks.base import parse_tool_calls
 
@@ -305,7 +306,7 @@ class PolicyService:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples),
-                "usage": _usage(len(prompt), samples)}
+                "usage": usage(len(prompt), samples)}
 
     def chat_deltas(self, req: ChatRequest, episode_id: str | None) -> tuple[str, int, AsyncIterator[tuple]]:
         """Start a chat request's generation and return (response id, prompt tokens, its events): ("text", choice,
@@ -332,7 +333,7 @@ class PolicyService:
                 yield ("error", f"{type(e).__name__}: {e}")
                 return
             yield ("end", choices, [texts[c["index"]].rest(c["message"]["content"]) for c in choices],
-                   _usage(len(prompt), samples))
+                   usage(len(prompt), samples))
 
         return rid, len(prompt), events()
 
@@ -341,67 +342,6 @@ class PolicyService:
         rid, _, events = self.chat_deltas(req, episode_id)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return chat_sse(rid, req.model, req.n, include_usage, events)
-
-    def _completion_setup(self, req: CompletionRequest) -> tuple[list[list[int]], SamplingConfig]:
-        prompts = [self.policy.tokenizer(p, add_special_tokens=False)["input_ids"] for p in req.prompts()]
-        if any(not p for p in prompts):
-            raise ServiceError(400, "prompt must not be empty")
-        return prompts, self.sampling(req.temperature, req.top_p, req.max_tokens, req.stop, max(map(len, prompts)))
-
-    def _completion_choices(self, req: CompletionRequest, episode_id: str | None, prompts: list[list[int]],
-                            sampling: SamplingConfig, samples: list[Sample]) -> list[dict[str, Any]]:
-        """The response's choices; records each (streamed or not, the same record)."""
-        log = self.recorder.get(episode_id) if episode_id else None
-        choices = []
-        for i, s in enumerate(samples):
-            prompt = prompts[i // req.n]
-            if log is not None:
-                log.add(Call([Message("user", req.prompts()[i // req.n])],
-                             [Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text), s.finish_reason)]), [])
-            lp = None
-            if req.logprobs is not None:
-                entries = logprobs_content(self.policy.tokenizer, s)
-                lp = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                      "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries]
-                      if req.logprobs else None, "text_offset": None}
-            choices.append({"index": i, "text": visible_text(s.text, list(sampling.stop)),
-                            "finish_reason": s.finish_reason, "logprobs": lp})
-        return choices
-
-    async def completion(self, req: CompletionRequest, episode_id: str | None) -> dict[str, Any]:
-        prompts, sampling = self._completion_setup(req)
-        _, samples = await self.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed,
-                                         RowOptions(top_logprobs=req.logprobs or 0))
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": req.model, "choices": self._completion_choices(req, episode_id, prompts, sampling, samples),
-                "usage": _usage(sum(map(len, prompts)), samples)}
-
-    def completion_stream(self, req: CompletionRequest, episode_id: str | None) -> AsyncIterator[str]:
-        """The Server-Sent Events of a streamed completion: text deltas per choice index, then each
-        choice's finish chunk, the usage chunk if asked, `[DONE]` (stages/service/stream.py)."""
-        prompts, sampling = self._completion_setup(req)
-        feed = TokenFeed()
-        job = self.submit(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed,
-                          RowOptions(top_logprobs=req.logprobs or 0), on_step=feed.on_step)
-        feed.watch(job.future)
-
-        async def events() -> AsyncIterator[tuple]:
-            texts = [ChoiceText(sampling.max_new_tokens, self.policy.eos_ids) for _ in job.prompts]
-            async for step in feed.steps():
-                for i, token in step:
-                    if texts[i].add(token) and (t := texts[i].delta(self.policy.tokenizer, sampling.stop, False)):
-                        yield ("text", i, t)
-            try:
-                samples = job.future.result()
-            except Exception as e:  # noqa: BLE001 - the stream has started: the error ends it as an event
-                yield ("error", f"{type(e).__name__}: {e}")
-                return
-            choices = self._completion_choices(req, episode_id, prompts, sampling, samples)
-            yield ("end", choices, [texts[c["index"]].rest(c["text"]) for c in choices],
-                   _usage(sum(map(len, prompts)), samples))
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return completion_sse(f"cmpl-{uuid.uuid4().hex}", req.model, include_usage, events())
 
     def _decoding(self, req: ChatRequest) -> tuple[ChatRequest, RowOptions]:
         """The request's decoding fields as sampler options (stages/service/decoding.py); a field the
@@ -439,6 +379,7 @@ def _fan_out(chunk: list[tuple[_Job, int, list[int]]]) -> Callable[[list[int]], 
     return on_step
 
 
-def _usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:
+def usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:
+    """The OpenAI `usage` object of a response."""
     completion = sum(len(s.token_ids) for s in samples)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from PIL import Image
 
-from storage.images import ImageStore, data_url, image_bytes_from_url, image_marker, marked_parts
+from storage.images import ImageStore, data_url, image_bytes_from_url, image_ref, marked_parts
 from storage.schema import Message, to_table
 from storage.sql import Sandbox
 from tests.factories import tool_episode
@@ -75,7 +75,7 @@ def test_sql_counts_and_joins_the_images_of_episodes(tmp_path):
     # A group of three sharing its prompt image; two episodes also got a tool's crop, one none.
     # Each image also stands as a marker where it was in the messages (storage/images.py).
     rollouts = [replace(tool_episode("ro-v", 0, s), image_ids=ids,
-                        messages=[Message("user", "".join(f"look {image_marker(i)}" for i in ids))])
+                        messages=[Message("user", "".join(f"look {image_ref(i)}" for i in ids))])
                 for s, ids in enumerate([[shared, crop_a], [shared, crop_b], [shared]])]
     ws.write_part("rollouts", "ro-v", to_table(rollouts), part="group-00000")
     ws.catalog.complete_artifact("ro-v", "rollouts", "rollout", [], "cfg")
@@ -87,12 +87,12 @@ def test_sql_counts_and_joins_the_images_of_episodes(tmp_path):
 
     # The markers give the same images, in order, through SQL's regexp_extract_all.
     marked = ws.query(r"SELECT flatten(list_transform(messages, lambda m: regexp_extract_all(m.content, "
-                      r"'\[image:([0-9a-f]{64})\]', 1))) AS ids FROM rollouts ORDER BY rollout_id").to_pylist()
+                      r"'<image:([0-9a-f]{64})>', 1))) AS ids FROM rollouts ORDER BY rollout_id").to_pylist()
     assert [r["ids"] for r in marked] == [r.image_ids for r in rollouts]
 
 
-def test_image_markers_split_a_stored_message_in_order():
+def test_image_refs_split_a_stored_message_in_order():
     a, b = "a" * 64, "0" * 63 + "f"
-    text = f"{image_marker(a)}how many?{image_marker(b)} [image:not-an-id]"
-    assert marked_parts(text) == [("image", a), ("text", "how many?"), ("image", b), ("text", " [image:not-an-id]")]
+    text = f"{image_ref(a)}how many?{image_ref(b)} <image:not-an-id>"
+    assert marked_parts(text) == [("image", a), ("text", "how many?"), ("image", b), ("text", " <image:not-an-id>")]
     assert marked_parts("") == marked_parts(None) == []

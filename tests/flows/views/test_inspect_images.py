@@ -10,7 +10,7 @@ from pathlib import Path
 
 from flows.views.inspect_render import write_inspection_html
 from flows.views.inspection import Episode, Inspection, Ranking, Score, Segment, image_urls
-from storage.images import ImageStore, image_marker
+from storage.images import ImageStore, image_ref
 from storage.schema import Message
 from tests.factories import tool_episode
 from tests.flows.views.conftest import CHROMIUM, needs_chromium, soup
@@ -33,8 +33,8 @@ def visual_page(tmp_path: Path) -> tuple[Path, list[str], str]:
     shown = [store.put(png(MAGENTA)).image_id, store.put(png(CYAN, 8)).image_id]
     missing = "f" * 64
     ep = tool_episode("ro-vis", 0, 0)
-    messages = [Message("user", f"How many squares? {image_marker(shown[0])}"),
-                ep.messages[2], replace(ep.messages[3], content=f"zoomed: {image_marker(shown[1])} {image_marker(missing)}"),
+    messages = [Message("user", f"How many squares? {image_ref(shown[0])}"),
+                ep.messages[2], replace(ep.messages[3], content=f"zoomed: {image_ref(shown[1])} {image_ref(missing)}"),
                 Message("assistant", "3")]
     rollout = replace(ep, messages=messages, image_ids=shown)
     episode = Episode(rollout, 1, [Segment(False, "prompt", 20), Segment(True, "3", 1)],
@@ -52,7 +52,7 @@ def test_the_page_places_each_stored_image_at_its_marker(tmp_path: Path) -> None
     assert images[0].find_parent(class_="msg")["class"] == ["msg", "role-user"]
     assert images[1].find_parent(class_="msg")["class"] == ["msg", "role-tool"]
     assert all(i["src"].startswith("data:image/png;base64,") for i in images)
-    assert "[image:" not in html.select_one("article.episode .conversation").get_text()  # no raw markers
+    assert "<image:" not in html.select_one("article.episode .conversation").get_text()  # no raw references
     (gap,) = html.select(".missing-image")
     assert missing[:12] in gap.get_text() and "not in this workspace" in gap.get_text()
 
