@@ -142,3 +142,20 @@ def test_the_stages_refuse_it_before_compute(run, tiny_vlm_dir):
     with pytest.raises(ValueError, match=r"vision-language model.*sft \(its loss has no pixel inputs"):
         sft.run(SFTConfig(), ctx, base_model=str(tiny_vlm_dir), data=__file__)
     assert ws.query("SELECT count(*) AS n FROM artifacts").to_pylist() == before
+
+
+def test_rlops_inspect_shows_the_pictures_the_policy_saw(run, capsys):
+    from bs4 import BeautifulSoup
+
+    from flows.cli import main
+
+    ws, result, _ = run
+    assert main(["inspect", "vlm", "--reward", "correct", "--top", "1", "--format", "html",
+                 "--workspace", str(ws.root)]) == 0
+    page = Path(capsys.readouterr().out.strip().splitlines()[-1].split()[-1])
+    html = BeautifulSoup(page.read_text(), "html.parser")
+    shown = html.select("article.episode .role-user img.image")
+    assert shown, "no image on the inspect page"
+    stored = {r["image_id"] for r in ws.query("SELECT image_id FROM images").to_pylist()}
+    assert {i["data-image-id"] for i in shown} <= stored
+    assert all(i["src"].startswith("data:image/png;base64,") for i in shown)
