@@ -21,6 +21,7 @@ from storage.schema import Message, Rollout
 
 # Integers, decimals, thousands separators and signs: "-1,234.5" -> -1234.5.
 NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+INTEGER_RE = re.compile(r"-?\d+")
 _PUNCT = str.maketrans({c: " " for c in string.punctuation})
 
 
@@ -66,6 +67,17 @@ def numeric_match(rollout: Rollout, key: str = "answer", tolerance: float = 1e-6
     predicted = last_number(answer) if answer is not None else None
     ok = predicted is not None and abs(predicted - expected) <= tolerance
     return float(ok), {"predicted": predicted, "expected": expected}
+
+
+@reward(low=0.0, high=1.0)
+def first_integer_match(rollout: Rollout, key: str = "answer") -> tuple[float, dict[str, Any]]:
+    """1.0 if the first integer in the final answer equals `metadata[key]`, else 0.0. The first, not the
+    last: a count answered as "3: two circles and a square" is 3 (tasks/count_shapes.py)."""
+    expected = int(rollout.metadata[key])  # a missing ground truth is an error row, not a silent 0
+    answer = final_answer(rollout)
+    found = INTEGER_RE.search(answer) if answer is not None else None
+    predicted = int(found.group()) if found else None
+    return float(predicted == expected), {"predicted": predicted, "expected": expected}
 
 
 @reward(low=0.0, high=1.0)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 from storage.atomic import atomic_file
 from storage.ids import canonical_json
+from storage.images import data_url
 from storage.schema import ToolCall
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -67,23 +68,37 @@ class Task:
     tool_specs: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function schemas
     max_turns: int = 1  # assistant turns per episode
     agent: AgentSpec | None = None  # an external agent (tasks/agent.py) runs the episodes through the policy service
+    # A visual task's images of a prompt (encoded PNG/JPEG bytes), shown after its question; None: text only.
+    # Drawn from the prompt (its metadata) rather than stored in it, so rollouts.metadata stays small.
+    images: Callable[[Prompt], list[bytes]] | None = None
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
-        """The opening messages of an episode: system (with tool instructions) + user."""
+        """The opening messages of an episode: system (with tool instructions) + user. A visual task's user
+        message is OpenAI content parts: the question's text part, then one `image_url` data URL per image."""
         return [
             {"role": "system", "content": render_system_prompt(self.system_prompt, self.tool_specs)},
-            {"role": "user", "content": prompt.question},
+            {"role": "user", "content": self.user_content(prompt)},
         ]
+
+    def user_content(self, prompt: Prompt) -> str | list[dict[str, Any]]:
+        """The user message's content: the question, with the prompt's images as content parts after it."""
+        if self.images is None:
+            return prompt.question
+        return [{"type": "text", "text": prompt.question}] + [
+            {"type": "image_url", "image_url": {"url": data_url(data)}} for data in self.images(prompt)]
 
 
 def content_digest(task: Task, prompts: list[Prompt]) -> str:
     """16 hex digits of sha256 over what episodes of `prompts` start from and are judged against: the
     rendered system prompt (tool list included), the tool schemas, the turn limit, and each prompt's
-    id, question and metadata (ground truth). Part of the rollout batch id, so a data file whose rows
-    change under the same prompt ids yields new rollouts. Tool *code* is not hashed (see ARCHITECTURE.md)."""
+    id, question and metadata (ground truth), and a visual task's image bytes (so a change to how they are
+    drawn is new content). Part of the rollout batch id, so a data file whose rows change under the same
+    prompt ids yields new rollouts. Tool *code* is not hashed (see ARCHITECTURE.md)."""
     payload = {"system": render_system_prompt(task.system_prompt, task.tool_specs), "tools": task.tool_specs,
                "max_turns": task.max_turns,
                "prompts": [[p.prompt_id, p.question, p.metadata] for p in prompts]}
+    if task.images is not None:
+        payload["images"] = [[hashlib.sha256(data).hexdigest() for data in task.images(p)] for p in prompts]
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:16]
 
 

@@ -56,6 +56,23 @@ def test_numeric_match_without_ground_truth_is_an_error(make_rollout) -> None:
 
 
 @pytest.mark.parametrize(
+    "messages, answer, expected",
+    [
+        ([say("3")], 3, 1.0),
+        ([say("3: two circles and a square")], 3, 1.0),  # the first integer counts, not the last
+        ([say("There are 2 circles and 1 square, so 3")], 3, 0.0),
+        ([say("13")], 3, 0.0),  # a whole integer, not a digit of one
+        ([say("three")], 3, 0.0),  # digits only
+        ([say("4")], "4", 1.0),  # ground truth stored as text
+        ([], 3, 0.0),  # no assistant turn at all
+        ([call("zoom", '{"x": 3}')], 3, 0.0),  # ended on a tool call: no answer
+    ],
+)
+def test_first_integer_match(messages, answer, expected, make_rollout) -> None:
+    assert value("first_integer_match", messages, {"answer": answer}, make_rollout) == expected
+
+
+@pytest.mark.parametrize(
     "text, answer, mode, expected",
     [
         ("Paris", "Paris", "exact", 1.0),
