@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,6 +27,9 @@ from stages.update.config import GRPOConfig
 from stages.update.dpo import DPOConfig
 from stages.update.ppo import PPOConfig
 from stages.update.presets import ReinforcePPConfig, RLOOConfig
+
+if TYPE_CHECKING:
+    from tasks.base import Task
 
 # The update each step runs (flows/algorithms.py); each has its own section, named as the algorithm.
 Algorithm = Literal["grpo", "rloo", "reinforce_pp", "dpo", "ppo"]
@@ -120,7 +123,7 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
     from stages.policy.model import DEFAULT_MODEL
     from tasks.base import TaskParamsError, load_task
 
-    problems = []
+    problems, task = [], None
     try:
         task = load_task(cfg.task.name, cfg.task.params)
         for split in ("train", cfg.eval.split):
@@ -144,7 +147,26 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"sft.data: file not found: {cfg.sft.data}")
     if cfg.base_model != DEFAULT_MODEL and cfg.base_model.startswith((".", "/", "~")) and not Path(cfg.base_model).expanduser().exists():
         problems.append(f"base_model: folder not found: {cfg.base_model}")
-    return problems
+    return problems + vision_language_problems(cfg, task)
+
+
+def vision_language_problems(cfg: RunConfig, task: Task | None) -> list[str]:
+    """What the run asks of a vision-language base model that the VLM path does not support yet
+    (stages.policy.vlm_episodes.unsupported_with_vlm), one `base_model: ...` line each; for a text model, a
+    task that shows images. `task`: the run's task (None: it did not load, a problem reported already)."""
+    from stages.policy.vlm import is_vision_language_model
+    from stages.policy.vlm_episodes import task_policy_problem, unsupported_with_vlm
+
+    if not is_vision_language_model(cfg.base_model):
+        problem = task_policy_problem(task, False) if task is not None else None
+        return [f"base_model: {problem}"] if problem else []
+    found = unsupported_with_vlm(
+        backend=cfg.rollout.backend, rollout_workers=cfg.rollout.workers, top_p=cfg.rollout.top_p, stop=cfg.rollout.stop,
+        task=task, update=cfg.algorithm, update_workers=getattr(getattr(cfg, cfg.algorithm), "workers", 1),
+        max_staleness=cfg.max_staleness)
+    if cfg.sft is not None:
+        found += unsupported_with_vlm(update="sft")
+    return [f"base_model: {cfg.base_model} is a vision-language model; not supported with it yet: {p}" for p in found]
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

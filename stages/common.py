@@ -129,10 +129,15 @@ def base_policy(ws: Workspace, base_model: str) -> str:
 
     The id covers the model's name and its content fingerprint (stages.policy.model.fingerprint: config,
     weights and tokenizer files), so a folder whose weights change under the same name is a new
-    base policy, and everything generated or trained from it gets new ids."""
+    base policy, and everything generated or trained from it gets new ids. A vision-language model's id
+    also covers its processor's image settings (`stages.policy.vlm.processor_fingerprint`): they decide
+    the pixels and placeholder tokens each image becomes."""
     from stages.policy.model import fingerprint
+    from stages.policy.vlm import is_vision_language_model, model_processor_fingerprint
 
     identity_ = {"base_model": base_model, "fingerprint": fingerprint(base_model)}
+    if is_vision_language_model(base_model):
+        identity_["processor"] = model_processor_fingerprint(base_model)
     pid = make_id("base", [], identity_)
     if ws.catalog.get_checkpoint(pid) is None:
         ws.catalog.add_checkpoint({"policy_id": pid, "parent_id": None, "base_model": base_model, "kind": "base",
@@ -147,3 +152,13 @@ def resolve_policy(ws: Workspace, policy_id: str) -> tuple[str, str | None]:
     if row is None:
         raise KeyError(f"unknown policy {policy_id!r}: not in the catalog (see `rlops ls checkpoints`)")
     return row["base_model"], row["adapter_uri"]
+
+
+def vision_language_base(ws: Workspace, policy_id: str) -> str | None:
+    """The base model of `policy_id` when it is a vision-language model (stages/policy/vlm_episodes.py lists what
+    such a policy supports); None for a text model, and for a policy the catalog does not know (the stage then
+    fails on it as for any policy)."""
+    from stages.policy.vlm import is_vision_language_model
+
+    row = ws.catalog.get_checkpoint(policy_id)
+    return row["base_model"] if row is not None and is_vision_language_model(row["base_model"]) else None

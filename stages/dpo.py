@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from stages.checkpoints import write_update
-from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
+from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage, vision_language_base
+from stages.policy.vlm_episodes import refuse_unsupported, unsupported_with_vlm
 from stages.reward_ref import RewardRef
 from stages.update.data import read_scored
 from stages.update.dpo import DPOConfig, pair_tokens, train_dpo
@@ -37,6 +38,9 @@ def run(config: DPOConfig, ctx: StageContext, parent_policy: str, batches: list[
     """
     batches = sorted(set(batches))
     reward = reward.resolve(ctx.ws, batches)
+    visual = vision_language_base(ctx.ws, parent_policy)
+    if visual:
+        refuse_unsupported(visual, unsupported_with_vlm(update="dpo"))
 
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
         from transformers import AutoTokenizer

@@ -17,13 +17,15 @@ torch, transformers and peft are imported inside functions: importing this modul
 from __future__ import annotations
 
 from stages.checkpoints import write_update
-from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
+from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage, vision_language_base
 from stages.reward_ref import RewardRef
 from stages.update import workers
 from stages.update.config import GRPOConfig
-from stages.update.data import read_training_data, staleness
+from stages.policy.vlm_episodes import load_vlm_for_update, refuse_unsupported, unsupported_with_vlm
+from stages.update.data import pixel_inputs, read_training_data, staleness
 from stages.update.train import load_for_update, make_optimizer, save_update
 from storage.checkpoints import local_copy
+from storage.images import ImageStore
 
 
 def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list[str], reward: RewardRef) -> ArtifactRef:
@@ -35,20 +37,27 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
     """
     batches = sorted(set(batches))
     reward = reward.resolve(ctx.ws, batches)
+    visual = vision_language_base(ctx.ws, parent_policy)
+    if visual:
+        refuse_unsupported(visual, unsupported_with_vlm(update_workers=config.workers))
 
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
         ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": str(reward)})  # which reward version this run trained on
-        data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline,
-                                  skip_zero_variance=config.skip_zero_variance)
         base_model, adapter_uri = resolve_policy(ctx.ws, parent_policy)
         # an object-store checkpoint is downloaded once per machine
         adapter_dir = local_copy(adapter_uri)
-        resident = None
-        if ctx.session is None:
+        resident, vision = None, None
+        if visual:  # from files: the run's resident model is a text model's (stages/policy/vlm_episodes.py)
+            policy = load_vlm_for_update(base_model, adapter_dir, config.lora, ImageStore(ctx.ws.settings.images_dir))
+            model, optimizer = policy.model, make_optimizer(policy.model, adapter_dir, config)
+            vision = pixel_inputs(policy)  # each row's pixels rebuilt from its stored images
+        elif ctx.session is None:
             model, optimizer = load_for_update(base_model, adapter_dir, config)
         else:  # the run's resident model, holding the parent's adapter (stages/policy/session.py)
             resident = ctx.session.for_update(base_model, parent_policy, adapter_dir, config.lora)
             model, optimizer = resident.model, make_optimizer(resident.model, adapter_dir, config)
+        data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline,
+                                  skip_zero_variance=config.skip_zero_variance, vision=vision)
 
         history = workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
                                 ctx=ctx, base_model=base_model)

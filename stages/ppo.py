@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from stages.checkpoints import write_update
-from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage
+from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage, vision_language_base
+from stages.policy.vlm_episodes import refuse_unsupported, unsupported_with_vlm
 from stages.reward_ref import RewardRef
 from stages.update.data import read_scored, sampling_temperature
 from stages.update.ppo import Episode, PPOConfig, load_value_model, save_value_model, train_ppo
@@ -31,6 +32,9 @@ def run(config: PPOConfig, ctx: StageContext, parent_policy: str, batches: list[
     reward name@version; a complete one is returned without training (cached=True)."""
     batches = sorted(set(batches))
     reward = reward.resolve(ctx.ws, batches)
+    visual = vision_language_base(ctx.ws, parent_policy)
+    if visual:
+        refuse_unsupported(visual, unsupported_with_vlm(update="ppo"))
 
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
         from stages.update.train import _load_trainable

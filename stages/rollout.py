@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from stages.cluster import connect, pinned, spread
 from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
 from stages.policy.session import PolicySession
+from stages.policy.vlm import is_vision_language_model
+from stages.policy.vlm_episodes import refuse_unsupported, task_policy_problem, unsupported_with_vlm
 from storage.checkpoints import local_copy
 from storage.schema import Rollout, to_table
 from tasks.base import Prompt, content_digest, load_task
@@ -83,11 +85,12 @@ class RolloutWorker:
 
     Built once per (base model, task, backend); `prepare` points it at a policy and a rollout config
     before each batch. With a `session` (stages.policy.session) the base model stays resident across batches
-    and only LoRA weights change; without one, `prepare` loads base + adapter from files.
+    and only LoRA weights change; without one, `prepare` loads base + adapter from files. A vision-language
+    base model is loaded once per worker (stages/policy/vlm_episodes.py), its images stored in `images_dir`.
     """
 
     def __init__(self, config: RolloutConfig, base_model: str, task: TaskSpec, threads: int | None = None,
-                 session: Any = None):
+                 session: Any = None, images_dir: str | None = None):
         if threads:
             import torch
 
@@ -97,8 +100,15 @@ class RolloutWorker:
         self.policy_id: str | None = None
         self.adapter_dir: str | None = None
         self.backend: Any = None
+        self.vlm: Any = None
         self.prepare_config(config)
-        if self.task.agent is not None:  # an external agent: its episodes go through the policy service
+        if is_vision_language_model(base_model):
+            from stages.policy.vlm_episodes import ResidentVLM
+            from storage.images import ImageStore
+
+            assert images_dir is not None, "a vision-language policy stores its images in the workspace"
+            self.vlm = ResidentVLM(base_model, ImageStore(images_dir))
+        elif self.task.agent is not None:  # an external agent: its episodes go through the policy service
             from stages.policy.resident import ResidentPolicy
 
             self.policy = ResidentPolicy.load(base_model, config.backend)  # one per worker; adapters by folder
@@ -123,7 +133,7 @@ class RolloutWorker:
         self.adapter_dir = local_copy(adapter_dir)  # on this worker's machine: an object-store checkpoint is downloaded
         if self.session is not None and trained is not None:
             self.session.trained[policy_id] = trained
-        if self.task.agent is not None:
+        if self.task.agent is not None or self.vlm is not None:  # adapters by folder, activated per shard
             return
         if config.backend == "vllm":
             self.backend.use_adapter(policy_id, self.adapter_dir)
@@ -146,8 +156,9 @@ class RolloutWorker:
         return HFBackend(resident.model, resident.tokenizer), context
 
     def sampling_record(self) -> dict[str, Any]:
-        """What `rollouts.sampling` stores."""
-        return self.config.model_dump(include={"temperature", "top_p", "max_new_tokens", "max_total_tokens", "stop", "backend"})
+        """What `rollouts.sampling` stores; for a VLM also the processor fingerprint its pixels are rebuilt by."""
+        record = self.config.model_dump(include={"temperature", "top_p", "max_new_tokens", "max_total_tokens", "stop", "backend"})
+        return record | ({"processor": self.vlm.fingerprint} if self.vlm is not None else {})
 
     def session_stats(self) -> dict[str, int]:
         """This worker's resident-model counts (`PolicySession.stats`); empty without a session."""
@@ -173,10 +184,14 @@ class RolloutWorker:
 
         G = self.config.group_size
         specs = [EpisodeSpec(p, base_seed + gi * G + s) for gi, p in groups for s in range(G)]
-        backend, context = self._generation()
-        with context:
-            episodes = run_episodes(backend, self.tokenizer, self.task, specs, self.sampling,
-                                    max_total_tokens=self.config.max_total_tokens, tool_timeout=self.config.tool_timeout)
+        if self.vlm is not None:
+            episodes = self.vlm.episodes(self.policy_id, self.adapter_dir, self.task, specs, group_size=G,
+                                         sampling=self.sampling, max_total_tokens=self.config.max_total_tokens)
+        else:
+            backend, context = self._generation()
+            with context:
+                episodes = run_episodes(backend, self.tokenizer, self.task, specs, self.sampling,
+                                        max_total_tokens=self.config.max_total_tokens, tool_timeout=self.config.tool_timeout)
         sampling = self.sampling_record()
         rows = []
         for (gi, prompt), s_eps in zip(groups, _chunks(list(zip(specs, episodes)), G)):
@@ -188,7 +203,7 @@ class RolloutWorker:
                     messages=ep.messages, token_ids=ep.token_ids, loss_mask=ep.loss_mask,
                     behavior_logprobs=ep.behavior_logprobs, num_turns=ep.num_turns, num_tool_calls=ep.num_tool_calls,
                     finish_reason=ep.finish_reason, truncated=ep.truncated, metadata=prompt.metadata,
-                    sampling=sampling, seed=spec.seed, gen_seconds=ep.gen_seconds,
+                    sampling=sampling, seed=spec.seed, gen_seconds=ep.gen_seconds, image_ids=ep.image_ids,
                 ))
         return to_table(rows)
 
@@ -212,6 +227,12 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
             raise KeyError(f"prompt ids not in the {split!r} split of {task.name}: {missing[:5]}")
         prompts = [by_id[i] for i in prompt_ids]
     base_model, adapter_dir = resolve_policy(ctx.ws, policy_id)
+    visual = is_vision_language_model(base_model)
+    if visual:
+        refuse_unsupported(base_model, unsupported_with_vlm(backend=config.backend, rollout_workers=config.workers,
+                                                            top_p=config.top_p, stop=config.stop, task=task_obj))
+    elif problem := task_policy_problem(task_obj, visual):
+        raise ValueError(f"{base_model}: {problem}")
     stage_config = {"rollout": config,
                     "task": task.model_dump(), "split": split, "step": step,
                     "prompt_ids": [p.prompt_id for p in prompts], "task_content": content_digest(task_obj, prompts)}
@@ -251,10 +272,11 @@ def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, p
     bar = tqdm(total=len(todo), desc=f"rollout {batch_id}", unit="shard", file=sys.stderr)
     if config.workers == 1 or len(todo) <= 1:
         key = ("rollout-worker", base_model, task.model_dump_json(), config.backend)
+        images = str(ctx.ws.settings.images_dir)
         if session is None:
-            worker = RolloutWorker(config, base_model, task)
+            worker = RolloutWorker(config, base_model, task, images_dir=images)
         else:
-            worker = session.keep(key, lambda: RolloutWorker(config, base_model, task, session=session))
+            worker = session.keep(key, lambda: RolloutWorker(config, base_model, task, session=session, images_dir=images))
         worker.prepare(config, policy_id, adapter_dir)
         for part, shard in todo:
             yield part, worker.run_shard(batch_id, split, shard, base_seed)

@@ -28,6 +28,8 @@ from stages.checkpoints import Checkpoint, write_checkpoint
 from stages.common import ArtifactRef, StageContext, base_policy, identity, run_stage
 from stages.policy.lora import LoRASettings
 from stages.policy.model import resolve_model
+from stages.policy.vlm import is_vision_language_model
+from stages.policy.vlm_episodes import refuse_unsupported, unsupported_with_vlm
 from storage.ids import config_hash
 
 VERSION = "1"  # bump when training changes for the same config (template, masking, saving)
@@ -186,6 +188,8 @@ def run(config: SFTConfig, ctx: StageContext, base_model: str, data: str) -> Art
     (kind "sft", parent: the base policy) whose id is the returned artifact id. Cached per
     (base model, data content, config)."""
     ws = ctx.ws
+    if is_vision_language_model(base_model):
+        refuse_unsupported(base_model, unsupported_with_vlm(update="sft"))
     parent_id = base_policy(ws, base_model)
     data_path = str(Path(data).resolve())
     data_hash = file_hash(data_path)

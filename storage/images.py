@@ -4,6 +4,7 @@
     ref = store.put(png_bytes)            # ImageRef(image_id='3f2a...', format='png', width=64, height=48)
     store.get(ref.image_id)               # the same bytes
     image_bytes_from_url("data:image/png;base64,...")   # an OpenAI `image_url` part's bytes
+    image_bytes_from_source("file:///data/shot.png", file_root=Path("/data"))  # or a local file under a root
 
 Layout: `images/<id[:2]>/<id>.parquet`, one row `(image_id, format, width, height, bytes)` (`IMAGES`).
 Why one small Parquet file per image rather than a table in the catalog or plain .png files:
@@ -93,6 +94,28 @@ def image_bytes_from_url(url: str) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("image_url's base64 data does not decode") from None
+
+
+def image_bytes_from_source(url: str, file_root: Path | None = None) -> bytes:
+    """The encoded bytes an `image_url` names: a base64 data URL (`image_bytes_from_url`), or a local file, as
+    a `file://` URL or a path, read only when `file_root` is given and the file (symlinks resolved) lies under
+    it: whoever can send a request must not read the rest of the machine's files. ValueError otherwise,
+    naming why. Remote http(s) URLs stay refused. Validate the bytes with `inspect_image` (ImageStore.put does)."""
+    if url.startswith("data:") or ("://" in url and not url.startswith("file://")):
+        return image_bytes_from_url(url)
+    if file_root is None:
+        raise ValueError(f"local image files are not enabled here (no image root is configured), got {url[:80]!r}: "
+                         "send a base64 data URL")
+    from urllib.parse import unquote, urlparse
+
+    path = Path(unquote(urlparse(url).path)) if url.startswith("file://") else Path(url)
+    root = Path(file_root).resolve()
+    real = (root / path).resolve()  # an absolute path stays itself; a relative one is under the root
+    if not real.is_relative_to(root):
+        raise ValueError(f"image file {url[:200]!r} is outside the image root {root}")
+    if not real.is_file():
+        raise ValueError(f"image file {url[:200]!r} does not exist under the image root {root}")
+    return real.read_bytes()
 
 
 def data_url(data: bytes) -> str:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stages.policy.chat import ChatFormat
@@ -70,6 +70,7 @@ class Episode:
     finish_reason: str = ""
     truncated: bool = False
     gen_seconds: float = 0.0
+    image_ids: list[str] = field(default_factory=list)  # a visual episode's stored images (stages/policy/vlm_episodes.py)
 
     def extend(self, ids: list[int], logprobs: list[float] | None = None) -> None:
         """Append tokens: sampled ones (with their log-probs, mask 1) or template text (mask 0)."""

@@ -96,8 +96,25 @@ def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
 
 
 def is_vision_language(config: Any) -> bool:
-    """Whether a transformers model config is a vision-language model's (it carries a vision tower)."""
-    return getattr(config, "vision_config", None) is not None
+    """Whether a transformers model config (or its config.json as a dict) is a vision-language model's (it
+    carries a vision tower)."""
+    vision = config.get("vision_config") if isinstance(config, dict) else getattr(config, "vision_config", None)
+    return vision is not None
+
+
+def is_vision_language_model(base_model: str) -> bool:
+    """Whether a base model reference is a vision-language model: a local folder whose config.json has a
+    `vision_config`. Read as JSON (no transformers import), so a config check pays nothing for it. A hub id
+    (no local folder) reads as text-only: point `base_model` at the VLM's folder."""
+    config = Path(base_model).expanduser() / "config.json"
+    return config.is_file() and is_vision_language(json.loads(config.read_text()))
+
+
+def model_processor_fingerprint(base_model: str) -> str:
+    """`processor_fingerprint` of the processor saved in a VLM's folder (part of its base policy's id)."""
+    from transformers import AutoProcessor
+
+    return processor_fingerprint(AutoProcessor.from_pretrained(Path(base_model).expanduser()))
 
 
 def processor_fingerprint(processor: Any) -> str:

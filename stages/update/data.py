@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from stages.reward_ref import RewardRef
@@ -53,9 +54,22 @@ class TrainingData:
     metrics: dict[str, float]  # reward mean/std, advantage stats, group counts
 
 
-def read_scored(ws: Workspace, batches: list[str], reward: RewardRef) -> list[dict[str, Any]]:
+def pixel_inputs(policy: VLMPolicy) -> Callable[[dict[str, Any]], Any]:
+    """A scored row's pixel inputs (`stages.policy.vlm.VisionInputs`), rebuilt from the workspace's stored images
+    (`image_ids`) by `policy`'s processor; ValueError when the row records another processor (rollouts.sampling's
+    `processor`, written by the rollout stage): its pixels would differ from what the policy saw."""
+
+    def rebuild(row: dict[str, Any]) -> Any:
+        recorded = json.loads(row["sampling"] or "{}").get("processor")
+        return policy.vision_inputs(row["image_ids"] or [], recorded)
+
+    return rebuild
+
+
+def read_scored(ws: Workspace, batches: list[str], reward: RewardRef, images: bool = False) -> list[dict[str, Any]]:
     """One row per rollout of the batches with its `reward` value (None: unscored or errored);
-    the latest score wins if a reward version was written twice."""
+    the latest score wins if a reward version was written twice. `images`: with the rows' `image_ids`
+    (left out otherwise, so a workspace of files older than that column still reads)."""
     missing = [b for b in batches if ws.catalog.get_artifact(b) is None]
     if missing:
         raise KeyError(f"rollout batches not complete or unknown: {missing}")
@@ -65,7 +79,7 @@ def read_scored(ws: Workspace, batches: list[str], reward: RewardRef) -> list[di
             WHERE reward_name = $name AND reward_version = $version AND list_contains($batches, batch_id)
             QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY scored_at DESC) = 1)
         SELECT ro.rollout_id, ro.batch_id, ro.group_id, ro.token_ids, ro.loss_mask, ro.behavior_logprobs,
-               ro.segment_starts, ro.sampling, r.value
+               ro.segment_starts, ro.sampling, r.value""" + (", ro.image_ids" if images else "") + """
         FROM rollouts ro LEFT JOIN r USING (rollout_id)
         WHERE list_contains($batches, ro.batch_id)
         ORDER BY ro.batch_id, ro.group_id, ro.sample_idx""",
@@ -81,9 +95,11 @@ def sampling_temperature(rows: list[dict[str, Any]]) -> float:
     return temps.pop()
 
 
-def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_zero_variance: bool = True) -> TrainingData:
+def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_zero_variance: bool = True,
+                  vision: Callable[[dict[str, Any]], Any] | None = None) -> TrainingData:
     """Scored rows -> samples of the groups with signal (of every group, `skip_zero_variance` off),
-    their advantages and the data metrics."""
+    their advantages and the data metrics. `vision` (`pixel_inputs`): a vision-language policy's samples
+    carry the pixel inputs of their rows."""
     import torch
 
     from stages.update.loss import group_advantages, zero_variance_groups
@@ -103,9 +119,13 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_ze
     # rollout's advantage; a segment with no sampled token (an agent's error row) trains nothing.
     samples, owner = [], []
     for j, r in enumerate(r for r, k in zip(scored, keep.tolist()) if k):
-        for a, b in segment_bounds(r.get("segment_starts"), len(r["token_ids"])):
+        bounds = segment_bounds(r.get("segment_starts"), len(r["token_ids"]))
+        if vision is not None and len(bounds) > 1:  # which segment saw which image is not recorded
+            raise ValueError(f"rollout {r['rollout_id']} has {len(bounds)} segments: a visual episode trains as one")
+        pixels = vision(r) if vision is not None else None
+        for a, b in bounds:
             if any(r["loss_mask"][a:b]):
-                samples.append(Sample(r["token_ids"][a:b], r["loss_mask"][a:b], r["behavior_logprobs"][a:b]))
+                samples.append(Sample(r["token_ids"][a:b], r["loss_mask"][a:b], r["behavior_logprobs"][a:b], pixels))
                 owner.append(j)
     n_groups, n_zero = len(set(groups)), len({g for g, z in zip(groups, zero.tolist()) if z})
     return TrainingData(samples, advantages[torch.tensor(owner, dtype=torch.long)], temperature, {
@@ -119,9 +139,11 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_ze
 
 
 def read_training_data(ws: Workspace, batches: list[str], reward: RewardRef, scale: str, baseline: str,
-                       skip_zero_variance: bool = True) -> TrainingData:
+                       skip_zero_variance: bool = True, vision: Callable[[dict[str, Any]], Any] | None = None
+                       ) -> TrainingData:
     """`training_data` over the scored rollouts of `batches` (reward must carry its version)."""
-    return training_data(read_scored(ws, batches, reward), scale, baseline, skip_zero_variance)
+    return training_data(read_scored(ws, batches, reward, images=vision is not None), scale, baseline,
+                         skip_zero_variance, vision)
 
 
 def informative_groups(ws: Workspace, batches: list[str], reward: RewardRef) -> int:

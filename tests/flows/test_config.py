@@ -41,9 +41,12 @@ def _with(**changes):
     return data
 
 
-def test_the_shipped_configs_and_a_minimal_one_are_valid(tmp_path):
+def test_the_shipped_configs_and_a_minimal_one_are_valid(tmp_path, tiny_vlm_dir):
     for path in Path("configs").glob("*.yaml"):
-        load_run_config(path)
+        # visual.yaml names the user's VLM folder: checked with a real one, and with none it names the folder.
+        load_run_config(path, [f"base_model={tiny_vlm_dir}"] if path.name == "visual.yaml" else [])
+    with pytest.raises(ConfigError, match="base_model: folder not found: ./models/your-vlm"):
+        load_run_config("configs/visual.yaml")
     cfg = load_run_config(_write(tmp_path, GOOD), ["steps=3", "grpo.lr=5e-5", "rollout.stop=[x, y]"])
     assert cfg.steps == 3 and cfg.grpo.lr == 5e-5 and cfg.rollout.stop == ["x", "y"]
 

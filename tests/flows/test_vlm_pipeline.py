@@ -1,0 +1,138 @@
+"""A vision-language policy through the in-process pipeline on the count_shapes task, with the tiny random
+Idefics3 (`tiny_vlm_dir`): eval of the base -> rollout -> score -> one GRPO step -> eval, the rollout rows
+token-exact with their images in the workspace's store, the language LoRA trained from the stored rows,
+`eval compare` on the held-out split, a rerun that reuses everything; and what is not supported yet,
+refused before compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flows import pipeline
+from flows.run_config import from_dict, vision_language_problems
+from stages import evaluate, rollout, sft
+from stages.common import StageContext, base_policy
+from stages.policy.vlm import VisualSample, VLMPolicy, processor_fingerprint
+from stages.sft import SFTConfig
+from storage.images import ImageStore
+from storage.schema import Rollout, from_table
+from storage.workspace import Workspace
+from tasks.base import load_task
+from tasks.count_shapes import draw_png
+
+
+def _config(vlm_dir: Path, **overrides: Any) -> dict[str, Any]:
+    return {
+        "name": "vlm",
+        "base_model": str(vlm_dir),
+        "task": {"name": "count_shapes", "params": {"size": 32, "n_train": 8, "n_test": 4}},
+        "steps": 1,
+        "rollout": {"prompts_per_step": 2, "group_size": 3, "max_new_tokens": 6, "max_total_tokens": 256},
+        "score": {"rewards": [{"name": "correct", "fn": "rewards.builtin.first_integer_match"},
+                              {"name": "chars", "fn": f"{Path(__file__).parent / 'vlm_test_rewards.py'}:answer_chars"}]},
+        "train_reward": "chars",
+        "grpo": {"lr": 1e-2, "lora": {"r": 4, "alpha": 8}},
+        "eval": {"n_prompts": 4, "every": 1, "metric": "correct"},
+        **overrides,
+    }
+
+
+@pytest.fixture(scope="module")
+def run(tiny_vlm_dir, tmp_path_factory) -> tuple[Workspace, pipeline.TrainResult, dict[str, Any]]:
+    cfg = _config(tiny_vlm_dir)
+    ws = Workspace.open(tmp_path_factory.mktemp("vlm") / "ws")
+    result = pipeline.train(from_dict(cfg), StageContext(ws, run_name="vlm"), on_step=lambda row: None)
+    return ws, result, cfg
+
+
+def test_a_vlm_run_rolls_out_scores_trains_and_evaluates(run):
+    ws, result, _ = run
+    assert result.policies == [result.final] and set(result.evals) == {result.base, result.final}
+    final = ws.catalog.get_checkpoint(result.final)
+    assert final["kind"] == "grpo" and final["parent_id"] == result.base
+    trained = ws.catalog.get_artifact(result.final)["meta"]["metrics"]
+    assert trained["trained_rollouts"] > 0 and trained["first_pass_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    # The LoRA is fresh (B = 0) before the step: a non-zero B is a trained weight, all on the language model.
+    weights = load_file(str(Path(final["adapter_uri"]) / "adapter_model.safetensors"))
+    assert weights and all("text_model" in k for k in weights)
+    assert any(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k)
+    # The held-out split, for both policies, compared prompt by prompt.
+    evals = ws.query("SELECT DISTINCT policy_id, split FROM evals WHERE metric = 'accuracy'").to_pylist()
+    assert {(e["policy_id"], e["split"]) for e in evals} == {(result.base, "test"), (result.final, "test")}
+    comparison = evaluate.compare(ws, result.base, result.final, split="test", resamples=200)
+    assert comparison.prompts == 4 and comparison.metric.startswith("correct@")
+
+
+def test_rollout_rows_are_token_exact_and_their_images_join_the_store(run, tiny_vlm_dir):
+    ws, result, cfg = run
+    [batch] = result.batches
+    rows = from_table(ws.query("SELECT * FROM rollouts WHERE batch_id = $b ORDER BY rollout_id", {"b": batch}), Rollout)
+    assert len(rows) == 2 * 3 and all(len(r.image_ids) == 1 for r in rows)
+    joined = ws.query("""
+        SELECT r.prompt_id, i.image_id, i.bytes FROM (SELECT prompt_id, unnest(image_ids) AS image_id FROM rollouts
+        WHERE batch_id = $b) r JOIN images i USING (image_id)""", {"b": batch}).to_pylist()
+    assert len(joined) == len(rows) and len({j["image_id"] for j in joined}) == 2  # a group shares its image
+    metadata = {r.prompt_id: r.metadata for r in rows}
+    assert all(j["bytes"] == draw_png(metadata[j["prompt_id"]]) for j in joined)  # the task's picture, as drawn
+    assert all(f"<image:{r.image_ids[0]}>" in r.messages[1].content for r in rows)  # the record refers to it
+    # Recomputed from the stored row and image by the base policy that sampled it: the behaviour log-probs.
+    policy = VLMPolicy.load(tiny_vlm_dir, ImageStore(ws.settings.images_dir))
+    assert rows[0].sampling["processor"] == policy.fingerprint
+    for r in rows[:3]:
+        assert all(m == 0 for t, m in zip(r.token_ids, r.loss_mask) if t in policy.banned_ids)
+        sample = VisualSample(r.token_ids, r.loss_mask, r.behavior_logprobs, r.image_ids, policy.fingerprint, "", "")
+        assert torch.allclose(policy.logprobs(sample), torch.tensor(r.behavior_logprobs), atol=1e-4, rtol=0)
+
+
+def test_the_base_policy_id_covers_the_processor(run, tiny_vlm_dir):
+    ws, result, _ = run
+    policy = VLMPolicy.load(tiny_vlm_dir, ImageStore(ws.settings.images_dir))
+    assert ws.catalog.get_checkpoint(result.base)["trained_on"]["processor"] == processor_fingerprint(policy.processor)
+
+
+def test_a_rerun_reuses_every_stage(run):
+    ws, result, cfg = run
+    counts = ws.query("SELECT (SELECT count(*) FROM rollouts) AS r, (SELECT count(*) FROM rewards) AS w").to_pylist()
+    again = pipeline.train(from_dict(cfg), StageContext(ws, run_name="vlm"), on_step=lambda row: None)
+    assert again.final == result.final and again.batches == result.batches
+    assert ws.query("SELECT (SELECT count(*) FROM rollouts) AS r, (SELECT count(*) FROM rewards) AS w").to_pylist() == counts
+    runs = ws.query("SELECT status FROM stage_runs ORDER BY started_at").to_pylist()
+    assert runs[-1]["status"] == "cached" and {r["status"] for r in runs} == {"complete", "cached"}
+
+
+def test_what_a_vlm_does_not_support_yet_is_a_config_problem_naming_it(tiny_vlm_dir):
+    cfg = from_dict(_config(tiny_vlm_dir, task={"name": "doc_search"}, algorithm="dpo", max_staleness=1,
+                            rollout={"backend": "vllm", "workers": 2, "top_p": 0.9},
+                            sft={"data": "oracle"}))
+    problems = "\n".join(vision_language_problems(cfg, load_task("doc_search")))
+    for named in ("rollout.backend 'vllm'", "rollout.workers 2", "rollout.top_p 0.9", "task 'doc_search'",
+                  "dpo (its loss has no pixel inputs", "max_staleness 1", "sft (its loss"):
+        assert named in problems
+    good = _config(tiny_vlm_dir)
+    assert vision_language_problems(from_dict(good), load_task(**good["task"])) == []
+
+
+def test_a_text_model_on_a_visual_task_is_refused_naming_the_problem(tiny_model_dir, tmp_path):
+    cfg = _config(tiny_model_dir)
+    [problem] = vision_language_problems(from_dict(cfg), load_task(**cfg["task"]))
+    assert "task 'count_shapes' shows images, and the base model is text-only" in problem
+    ws = Workspace.open(tmp_path / "ws")
+    ctx = StageContext(ws, run_name="text")
+    with pytest.raises(ValueError, match="shows images, and the base model is text-only"):
+        rollout.run(rollout.RolloutConfig(), ctx, base_policy(ws, str(tiny_model_dir)), rollout.TaskSpec(**cfg["task"]))
+
+
+def test_the_stages_refuse_it_before_compute(run, tiny_vlm_dir):
+    ws, result, cfg = run
+    ctx = StageContext(ws, run_name="refused")
+    before = ws.query("SELECT count(*) AS n FROM artifacts").to_pylist()
+    with pytest.raises(ValueError, match=r"vision-language model.*rollout\.backend 'vllm'"):
+        rollout.run(rollout.RolloutConfig(backend="vllm"), ctx, result.base, rollout.TaskSpec(**cfg["task"]))
+    with pytest.raises(ValueError, match=r"vision-language model.*sft \(its loss has no pixel inputs"):
+        sft.run(SFTConfig(), ctx, base_model=str(tiny_vlm_dir), data=__file__)
+    assert ws.query("SELECT count(*) AS n FROM artifacts").to_pylist() == before
