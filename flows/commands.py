@@ -284,20 +284,28 @@ def cmd_rewards(args: argparse.Namespace) -> int:
 @command("serve")
 @_guard
 def cmd_serve(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     import uvicorn
 
-    from stages.policy.resident import ResidentPolicy
+    from stages.policy.vlm_resident import load_resident
     from stages.service.app import build_app
     from stages.service.resolve import catalog_resolver, find_checkpoint
     from stages.service.service import PolicyService, ServiceConfig
+    from storage.images import ImageStore
     from storage.settings import Settings
 
-    snapshot = Settings.from_env(args.workspace).snapshot_dir / "checkpoints.parquet"
+    settings = Settings.from_env(args.workspace)
+    snapshot = settings.snapshot_dir / "checkpoints.parquet"
     # The policy's base model is the one to load; requests may then name any policy of that base.
     base_model = args.base_model if args.policy == "base" else find_checkpoint(snapshot, args.policy)["base_model"]
     resolve, names = catalog_resolver(snapshot, base_model)
-    policy = ResidentPolicy.load(base_model, engine=args.engine)
-    service = PolicyService(policy, resolve, ServiceConfig(batch_window_s=args.batch_window), names)
+    # A vision-language base model is served as one (images in requests, stored in the workspace).
+    policy = load_resident(base_model, args.engine, ImageStore(settings.images_dir))
+    config = ServiceConfig(batch_window_s=args.batch_window, image_root=Path(args.image_root) if args.image_root else None)
+    if args.max_images is not None:
+        config = replace(config, max_images=args.max_images)
+    service = PolicyService(policy, resolve, config, names)
     policy_id, adapter_dir = resolve(args.policy)
     policy.generate(policy_id, adapter_dir, [[policy.tokenizer.eos_token_id]],  # load the adapter now
                     service.sampling(0.0, None, 1, [], 1))
@@ -374,6 +382,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="hf: transformers (CPU); vllm: GPU engine")
     p.add_argument("--batch-window", type=float, default=0.05, metavar="S",
                    help="seconds a queued request waits for others to share its generate call")
+    p.add_argument("--max-images", type=int, metavar="N",
+                   help="images a request may hold (a vision-language base model; default 8); more is a 400")
+    p.add_argument("--image-root", metavar="DIR", help="image_url parts may name local files (file:// or a path) "
+                   "under DIR; default: data URLs only")
 
     p = sub.add_parser("rewards", parents=[common], help="reward names, versions and where they were used")
     p.add_argument("action", choices=["ls"])

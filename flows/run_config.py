@@ -161,9 +161,8 @@ def vision_language_problems(cfg: RunConfig, task: Task | None) -> list[str]:
         problem = task_policy_problem(task, False) if task is not None else None
         return [f"base_model: {problem}"] if problem else []
     found = unsupported_with_vlm(
-        backend=cfg.rollout.backend, rollout_workers=cfg.rollout.workers, top_p=cfg.rollout.top_p, stop=cfg.rollout.stop,
-        task=task, update=cfg.algorithm, update_workers=getattr(getattr(cfg, cfg.algorithm), "workers", 1),
-        max_staleness=cfg.max_staleness)
+        backend=cfg.rollout.backend, rollout_workers=cfg.rollout.workers, task=task, update=cfg.algorithm,
+        update_workers=getattr(getattr(cfg, cfg.algorithm), "workers", 1), max_staleness=cfg.max_staleness)
     if cfg.sft is not None:
         found += unsupported_with_vlm(update="sft")
     return [f"base_model: {cfg.base_model} is a vision-language model; not supported with it yet: {p}" for p in found]

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from stages.checkpoints import write_update
 from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage, vision_language_base
+from stages.policy.vlm_episodes import load_vlm_for_update, refuse_unsupported, unsupported_with_vlm
 from stages.reward_ref import RewardRef
 from stages.update import workers
 from stages.update.config import GRPOConfig
-from stages.policy.vlm_episodes import load_vlm_for_update, refuse_unsupported, unsupported_with_vlm
 from stages.update.data import pixel_inputs, read_training_data, staleness
 from stages.update.train import load_for_update, make_optimizer, save_update
 from storage.checkpoints import local_copy

@@ -186,7 +186,8 @@ class RolloutWorker:
         specs = [EpisodeSpec(p, base_seed + gi * G + s) for gi, p in groups for s in range(G)]
         if self.vlm is not None:
             episodes = self.vlm.episodes(self.policy_id, self.adapter_dir, self.task, specs, group_size=G,
-                                         sampling=self.sampling, max_total_tokens=self.config.max_total_tokens)
+                                         sampling=self.sampling, max_total_tokens=self.config.max_total_tokens,
+                                         tool_timeout=self.config.tool_timeout)
         else:
             backend, context = self._generation()
             with context:
@@ -230,7 +231,7 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
     visual = is_vision_language_model(base_model)
     if visual:
         refuse_unsupported(base_model, unsupported_with_vlm(backend=config.backend, rollout_workers=config.workers,
-                                                            top_p=config.top_p, stop=config.stop, task=task_obj))
+                                                            task=task_obj))
     elif problem := task_policy_problem(task_obj, visual):
         raise ValueError(f"{base_model}: {problem}")
     stage_config = {"rollout": config,

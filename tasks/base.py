@@ -71,6 +71,13 @@ class Task:
     # A visual task's images of a prompt (encoded PNG/JPEG bytes), shown after its question; None: text only.
     # Drawn from the prompt (its metadata) rather than stored in it, so rollouts.metadata stays small.
     images: Callable[[Prompt], list[bytes]] | None = None
+    # Tools bound to one prompt (name -> fn(**arguments)), next to `tools` in its episodes: a visual task's zoom
+    # crops that prompt's picture. A tool may return OpenAI content parts (text and image_url) instead of text.
+    prompt_tools: Callable[[Prompt], dict[str, Callable[..., Any]]] | None = None
+
+    def episode_tools(self, prompt: Prompt) -> dict[str, Callable[..., Any]]:
+        """The tools an episode of `prompt` may call: the task's and the prompt's own (`prompt_tools`)."""
+        return {**self.tools, **(self.prompt_tools(prompt) if self.prompt_tools is not None else {})}
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         """The opening messages of an episode: system (with tool instructions) + user. A visual task's user

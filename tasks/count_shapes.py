@@ -15,7 +15,11 @@ checked by `rewards.builtin.first_integer_match`.
 
 The picture is drawn from `metadata` (its size and shapes), never stored in it, so rollouts.metadata
 stays a few hundred bytes; the image itself is stored once per workspace when a policy sees it
-(storage/images.py). PIL is imported inside the drawing function.
+(storage/images.py). PIL is imported inside the drawing functions.
+
+With `zoom_turns=k` the task is multi-turn: the model may call `zoom(region)` up to k times, and the tool
+returns OpenAI content parts, a text line and the chosen quarter of the picture enlarged to the full size
+(`zoom_png`), before it answers.
 """
 
 from __future__ import annotations
@@ -42,14 +46,23 @@ MIN_SIZE = 16  # smaller pictures cannot hold several shapes of a few pixels eac
 # The pictures of task seed s are drawn from seeds s * SEED_BLOCK, s * SEED_BLOCK + 1, ...: test takes the
 # first ones and train the next, so the splits never share a seed and a larger n_train leaves test unchanged.
 SEED_BLOCK = 10_000_000
+REGIONS = ("top-left", "top-right", "bottom-left", "bottom-right")
+ZOOM_SPEC = {"type": "function", "function": {
+    "name": "zoom", "description": "Show one quarter of the image enlarged to the full size.",
+    "parameters": {"type": "object", "properties": {"region": {"type": "string", "enum": list(REGIONS)}},
+                   "required": ["region"]}}}
 
 
-def make_task(size: int = 64, max_count: int = 4, n_train: int = 1000, n_test: int = 100, seed: int = 0) -> Task:
+def make_task(size: int = 64, max_count: int = 4, n_train: int = 1000, n_test: int = 100, seed: int = 0,
+              zoom_turns: int = 0) -> Task:
     """Build the shape-counting task: `size` x `size` pictures holding 1..`max_count` shapes.
 
     Prompt i of a split is drawn from its own seed (`scene_seed`), so the same arguments always give the
     same pictures; the test split is drawn first and a picture the test split holds is never in train.
+    `zoom_turns` > 0: the `zoom` tool may be called that many times before the answer (multi-turn).
     """
+    if zoom_turns < 0:
+        raise ValueError(f"zoom_turns must be >= 0, got {zoom_turns}")
     splits = generate(size=size, max_count=max_count, n_train=n_train, n_test=n_test, seed=seed)
 
     def prompts(split: str) -> list[Prompt]:
@@ -57,8 +70,19 @@ def make_task(size: int = 64, max_count: int = 4, n_train: int = 1000, n_test: i
             raise ValueError(f"count_shapes has splits {SPLITS}, not {split!r}")
         return list(splits[split])  # a copy: callers may shuffle or trim it
 
-    return Task(name="count_shapes", system_prompt=SYSTEM_PROMPT, prompts=prompts, max_turns=1,
-                images=lambda p: [draw_png(p.metadata)])
+    return Task(name="count_shapes", system_prompt=SYSTEM_PROMPT, prompts=prompts, max_turns=1 + zoom_turns,
+                images=lambda p: [draw_png(p.metadata)], tool_specs=[ZOOM_SPEC] if zoom_turns else [],
+                prompt_tools=(lambda p: {"zoom": lambda region: zoom(p.metadata, region)}) if zoom_turns else None)
+
+
+def zoom(metadata: dict[str, Any], region: str) -> list[dict[str, Any]]:
+    """The `zoom` tool's result: OpenAI content parts, a line naming the region and its enlarged picture."""
+    from storage.images import data_url
+
+    if region not in REGIONS:
+        raise ValueError(f"region must be one of {', '.join(REGIONS)}, got {region!r}")
+    return [{"type": "text", "text": f"The {region} quarter, enlarged:"},
+            {"type": "image_url", "image_url": {"url": data_url(zoom_png(metadata, region))}}]
 
 
 def generate(*, size: int, max_count: int, n_train: int, n_test: int, seed: int) -> dict[str, list[Prompt]]:
@@ -133,6 +157,20 @@ def draw_png(metadata: dict[str, Any]) -> bytes:
             pen.rectangle((x0, y0, x1, y1), fill=fill)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def zoom_png(metadata: dict[str, Any], region: str) -> bytes:
+    """One quarter of the picture (`REGIONS`), enlarged back to the full size without smoothing, as PNG bytes."""
+    from PIL import Image
+
+    size = int(metadata["size"])
+    half = size // 2
+    left, top = (half if "right" in region else 0), (half if "bottom" in region else 0)
+    with Image.open(io.BytesIO(draw_png(metadata))) as img:
+        part = img.crop((left, top, left + half, top + half)).resize((size, size), Image.NEAREST)
+    buf = io.BytesIO()
+    part.save(buf, format="PNG")
     return buf.getvalue()
 
 

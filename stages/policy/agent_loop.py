@@ -81,7 +81,7 @@ class Episode:
 
 @dataclass
 class ToolResult:
-    content: str
+    content: str | list[dict[str, Any]]  # text, or OpenAI content parts as the tool returned them (an image view)
     error: bool
 
 
@@ -135,7 +135,8 @@ def _result(call: ToolCall, started: ToolResult | Future, timeout: float) -> Too
         return ToolResult(f"error: tool {call.name!r} timed out after {timeout:g} s", True)
     if (e := started.exception()) is not None:
         return ToolResult(f"error: tool {call.name!r} raised {type(e).__name__}: {e}", True)
-    return ToolResult(str(started.result()), False)
+    result = started.result()
+    return ToolResult(result if isinstance(result, list) else str(result), False)
 
 
 def run_episodes(

@@ -1,35 +1,38 @@
 """A vision-language policy in the in-process pipeline: what it supports, its episodes, its update model.
 
-    unsupported_with_vlm(backend="vllm", task=task)   # ["rollout.backend 'vllm' ...", ...]: refused before compute
+    unsupported_with_vlm(backend="vllm")   # ["rollout.backend 'vllm' ...", ...]: refused before compute
     vlm = ResidentVLM(base_model, ImageStore(ws.settings.images_dir))   # loaded once per rollout worker
-    episodes = vlm.episodes(policy_id, adapter_dir, task, specs, group_size=8, sampling=s, max_total_tokens=2048)
+    episodes = vlm.episodes(policy_id, adapter_dir, task, specs, group_size=8, sampling=s, max_total_tokens=2048,
+                            tool_timeout=10.0)
     policy = load_vlm_for_update(base_model, adapter_dir, lora, store)   # the grpo stage's trainable VLM
 
-A visual task's episode is single-turn here: the task's opening messages (a user message with image_url
-parts) and one sampled answer. Each group is one `VLMPolicy.generate(messages, n=G)` call (the prompt and
-its images are shared, so there is no padding), recorded token-exact: the prompt with its image placeholder
-tokens (loss_mask 0), the sampled tokens with their behaviour log-probs (loss_mask 1), and the ids of the
-images in the workspace's store. The stored messages keep each image as its `<image:SHA256>` reference
-(stages.policy.vlm_chat.marked_content), the same records the policy service writes.
+A visual episode runs as a text episode does (stages/policy/agent_loop.py), turn by turn, recorded token-exact:
+the prompt with its image placeholder tokens (loss_mask 0), each sampled turn with its behaviour log-probs
+(loss_mask 1), the template's text and tool results (mask 0), and the ids of the episode's images in the
+workspace's store, in placeholder order. A tool may return OpenAI content parts with an image (count_shapes'
+`zoom`): the image is stored and expanded into its placeholders where it appears. The conversation primitive is
+the policy service's (`VisualChatFormat`, `VisualResidentPolicy`), and the stored messages keep each image as
+its `<image:SHA256>` reference (`marked_content`), the records the service writes. The first turn of a group is
+one generate call (the prompt and its image are shared); later turns batch the episodes that show the same
+images.
 
-The rollout worker keeps its VLM resident and swaps LoRA weights per policy (`ResidentModel`, as the text
-path's session does); the update loads the VLM from files (a fresh `add_vlm_lora` adapter on the language
-model, or the parent's), so the two never share one model in memory yet.
+The rollout worker keeps its VLM resident (adapters loaded by folder); the update loads the VLM from files (a
+fresh `add_vlm_lora` adapter on the language model, or the parent's), so the two do not share one model in
+memory yet.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.policy.agent_loop import Episode, EpisodeSpec
+# _add_turn and _turn_seed: a visual turn is appended and seeded exactly as a text turn.
+from stages.policy.agent_loop import Episode, EpisodeSpec, _add_turn, _turn_seed, call_tools
 from stages.policy.sampling import SamplingConfig
-from stages.policy.session import ResidentModel
 from stages.policy.vlm import VLMPolicy, add_vlm_lora
-from stages.policy.vlm_chat import marked_content
+from stages.policy.vlm_chat import image_ids_of, marked_content
 from storage.images import ImageStore
 from storage.schema import Message
 
@@ -40,9 +43,8 @@ if TYPE_CHECKING:
 UPDATES_WITHOUT_PIXELS = ("sft", "dpo", "ppo")
 
 
-def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, top_p: float = 1.0,
-                         stop: Sequence[str] = (), task: Task | None = None, update: str = "grpo",
-                         update_workers: int = 1, max_staleness: int = 0) -> list[str]:
+def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, task: Task | None = None,
+                         update: str = "grpo", update_workers: int = 1, max_staleness: int = 0) -> list[str]:
     """What of a run's settings the vision-language path does not support yet, one line each (empty: all
     supported). The one list the config check and the stages refuse by, before any compute."""
     problems = []
@@ -50,13 +52,9 @@ def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, top_p
         problems.append(f"rollout.backend {backend!r} (visual episodes are generated with transformers: use hf)")
     if rollout_workers > 1:
         problems.append(f"rollout.workers {rollout_workers} (Ray rollout actors; use 1)")
-    if top_p < 1.0:
-        problems.append(f"rollout.top_p {top_p} (a VLM samples its whole distribution: use 1.0)")
-    if stop:
-        problems.append(f"rollout.stop {list(stop)} (stop strings)")
-    if task is not None and (task.max_turns > 1 or task.tools or task.agent is not None):
-        problems.append(f"task {task.name!r} (multi-turn episodes, tools and external agents; "
-                        "a single-turn task such as count_shapes runs)")
+    if task is not None and task.agent is not None:
+        problems.append(f"task {task.name!r} (an external agent's episodes in the rollout stage; "
+                        "`rlops serve` serves a VLM to agents)")
     if update in UPDATES_WITHOUT_PIXELS:
         problems.append(f"{update} (its loss has no pixel inputs; grpo, rloo and reinforce_pp train a VLM)")
     if update_workers > 1:
@@ -67,10 +65,16 @@ def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, top_p
 
 
 def task_policy_problem(task: Task, vision_language: bool) -> str | None:
-    """Why `task` cannot run on the policy, if it cannot: a task that shows images needs a vision-language one."""
-    if task.images is not None and not vision_language:
+    """Why `task` cannot run on the policy, if it cannot: a task that shows images needs a vision-language one,
+    and so do tools bound to a prompt (`Task.prompt_tools`: only the visual loop runs them yet)."""
+    if vision_language:
+        return None
+    if task.images is not None:
         return (f"task {task.name!r} shows images, and the base model is text-only: use a vision-language base "
                 "model (a folder whose config.json has a vision_config)")
+    if task.prompt_tools is not None:
+        return (f"task {task.name!r} has tools bound to its prompts (prompt_tools), which only a vision-language "
+                "policy's episodes run yet")
     return None
 
 
@@ -82,45 +86,94 @@ def refuse_unsupported(base_model: str, problems: list[str]) -> None:
 
 
 class ResidentVLM:
-    """A rollout worker's VLM: loaded once, the active policy's LoRA weights copied in before each shard."""
+    """A rollout worker's VLM, loaded once: a `VisualResidentPolicy` (adapters hot-loaded by folder, the HF
+    sampler given each prompt's pixel inputs) and its conversation format (`VisualChatFormat`)."""
 
     def __init__(self, base_model: str, store: ImageStore) -> None:
-        base = VLMPolicy.load(Path(base_model).expanduser(), store)
-        self.resident = ResidentModel(base.model, base.processor)  # `tokenizer` holds the processor here
+        from stages.policy.vlm_resident import VisualResidentPolicy
+
+        self.policy = VisualResidentPolicy(VLMPolicy.load(Path(base_model).expanduser(), store))
         self.store = store
-        self.fingerprint = base.fingerprint  # recorded with each rollout: the pixels are rebuilt by this processor
+        self.fingerprint = self.policy.vlm.fingerprint  # recorded with each rollout: the pixels are rebuilt by it
 
     def episodes(self, policy_id: str, adapter_dir: str | None, task: Task, specs: list[EpisodeSpec], *,
-                 group_size: int, sampling: SamplingConfig, max_total_tokens: int) -> list[Episode]:
+                 group_size: int, sampling: SamplingConfig, max_total_tokens: int, tool_timeout: float) -> list[Episode]:
         """Every episode of `specs` (groups of `group_size` consecutive specs sharing a prompt) under `policy_id`."""
-        context = self.resident.activate(policy_id, adapter_dir)  # the base policy: adapter disabled
-        policy = VLMPolicy(self.resident.model, self.resident.tokenizer, self.store)
         out: list[Episode] = []
-        with context:
-            for i in range(0, len(specs), group_size):
-                out += visual_group(policy, task, specs[i : i + group_size], sampling, max_total_tokens)
+        for i in range(0, len(specs), group_size):
+            out += self.group(policy_id, adapter_dir, task, specs[i : i + group_size], sampling=sampling,
+                              max_total_tokens=max_total_tokens, tool_timeout=tool_timeout)
+        return out
+
+    def group(self, policy_id: str, adapter_dir: str | None, task: Task, specs: list[EpisodeSpec], *,
+              sampling: SamplingConfig, max_total_tokens: int, tool_timeout: float) -> list[Episode]:
+        """The episodes of one prompt, turn by turn, grown token by token as `agent_loop.run_episodes` grows a
+        text episode (its `_add_turn` appends each turn). What differs: the opening messages and tool results
+        become records with image references (`marked_content`), the chat format expands each image into its
+        placeholders, the tools are the prompt's own (`Task.episode_tools`), and a generate call takes the
+        episodes that show the same images (all of them on the first turn: one call for the group)."""
+        start = time.monotonic()
+        chat, store = self.policy.chat, self.store
+        opening = [Message(m["role"], marked_content(m["content"], store)) for m in task.messages(specs[0].prompt)]
+        prompt_ids = chat.encode(chat.render(opening, True))
+        out = [Episode(messages=list(opening), token_ids=[], loss_mask=[], behavior_logprobs=[]) for _ in specs]
+        for ep in out:
+            ep.extend(prompt_ids)
+        reserve = len(chat.encode(chat.end_of_turn(opening, Message("assistant", "x"))))
+        tools = task.episode_tools(specs[0].prompt)
+
+        def finish(i: int, reason: str, truncated: bool) -> None:
+            out[i].finish_reason, out[i].truncated = reason, truncated
+            out[i].gen_seconds = time.monotonic() - start
+
+        active = list(range(len(out)))
+        for turn in range(task.max_turns):
+            room = {i: max_total_tokens - len(out[i].token_ids) - reserve for i in active}
+            for i in [i for i in active if room[i] < 1]:
+                finish(i, "max_tokens", True)
+            active = [i for i in active if room[i] >= 1]
+            calling = []
+            for batch in _by_images(out, active):
+                turn_sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max(room[i] for i in batch)))
+                samples = self.policy.generate(policy_id, adapter_dir, [out[i].token_ids for i in batch], turn_sampling,
+                                               _turn_seed(sampling.seed, [specs[i].seed for i in batch], turn),
+                                               images=image_ids_of(out[batch[0]].messages))
+                for i, sample in zip(batch, samples):
+                    calls, budget_hit, length_cut = _add_turn(out[i], sample, room[i], turn, chat, self.policy.eos_ids)
+                    if budget_hit:
+                        finish(i, "max_tokens", True)
+                    elif not calls:
+                        finish(i, "answer", length_cut)
+                    elif turn == task.max_turns - 1:
+                        finish(i, "max_turns", length_cut)
+                    else:
+                        calling.append((i, calls))
+            active = []
+            for i, calls in sorted(calling):
+                ep, done = out[i], call_tools(calls, tools, tool_timeout)
+                results = [Message("tool", marked_content(r.content, store), tool_call_id=c.id, name=c.name)
+                           for c, r in zip(calls, done)]
+                ids = chat.encode(chat.tool_turn(ep.messages, results))
+                if len(ep.token_ids) + len(ids) + 1 + reserve > max_total_tokens:
+                    finish(i, "max_tokens", True)  # the results do not fit: the episode ends without them
+                    continue
+                ep.messages += results
+                ep.extend(ids)
+                ep.num_tool_calls += len(calls)
+                ep.num_tool_errors += sum(r.error for r in done)
+                active.append(i)
+        for ep in out:
+            ep.image_ids = image_ids_of(ep.messages)
         return out
 
 
-def visual_group(policy: VLMPolicy, task: Task, specs: list[EpisodeSpec], sampling: SamplingConfig,
-                 max_total_tokens: int) -> list[Episode]:
-    """One group: the specs' shared prompt sampled len(specs) times in one call (seeded by the first spec's seed)."""
-    start = time.monotonic()
-    prompt = specs[0].prompt
-    messages = task.messages(prompt)
-    prompt_ids, _ = policy.prompt(messages)  # validates and stores the images before any compute
-    room = max_total_tokens - len(prompt_ids)
-    if room < 1:
-        raise ValueError(f"prompt {prompt.prompt_id} is {len(prompt_ids)} tokens with its image placeholders, "
-                         f"over rollout.max_total_tokens {max_total_tokens}")
-    turn = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
-    samples = policy.generate(messages, n=len(specs), sampling=turn, seed=specs[0].seed)
-    opening = [Message(m["role"], marked_content(m["content"], policy.store)) for m in messages]
-    seconds = time.monotonic() - start
-    return [Episode(messages=opening + [Message("assistant", s.text)], token_ids=s.token_ids, loss_mask=s.loss_mask,
-                    behavior_logprobs=s.behavior_logprobs, num_turns=1, finish_reason="answer",
-                    truncated=s.finish_reason == "length", gen_seconds=seconds, image_ids=s.image_ids)
-            for s in samples]
+def _by_images(episodes: list[Episode], active: list[int]) -> list[list[int]]:
+    """The active episodes grouped by the images their conversations show (one generate call's prompts share
+    their pixel inputs, `VisualResidentPolicy.generate`), in order of first appearance."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i in active:
+        groups.setdefault(tuple(image_ids_of(episodes[i].messages)), []).append(i)
+    return list(groups.values())
 
 
 def load_vlm_for_update(base_model: str, adapter_dir: str | None, lora: Any, store: ImageStore) -> VLMPolicy:

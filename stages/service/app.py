@@ -13,7 +13,7 @@ episode's recorded tokens, assembled as a rollout). A call is recorded under the
 URL, else of its `X-Episode-Id` header, else of its `user` field (stages/service/service.py).
 
 Errors are OpenAI-style JSON: 400 for a malformed request, a refused field (named in `param`, see
-stages/service/schemas.py) or a prompt over the context, 404 for an unknown model, episode, stored
+stages/service/schemas.py), a prompt over the context or a refused image (stages/service/service.py), 404 for an unknown model, episode, stored
 response or route, 500 (with the message, never a traceback) if generation fails; the server keeps
 serving. On the Messages routes errors are Anthropic's shape instead
 (`{"type": "error", "error": {"type": "invalid_request_error" | "not_found_error" | "api_error", ...}}`).
@@ -81,7 +81,7 @@ def build_app(service: PolicyService) -> Any:
 
     @app.exception_handler(ServiceError)
     async def _refused(request: Request, exc: ServiceError) -> JSONResponse:
-        return error(request, exc.status, str(exc), exc.code)
+        return error(request, exc.status, str(exc), exc.code, exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:

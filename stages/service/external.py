@@ -30,7 +30,7 @@ from stages.policy.sampling import SamplingConfig
 from stages.service.app import EPISODE_HEADER, ServerThread, build_app
 from stages.service.recorder import EpisodeLog, assemble, fingerprint
 from stages.service.resolve import fixed_resolver
-from stages.service.schemas import ChatMessage
+from stages.service.schemas import ChatMessage, ContentMarker
 from stages.service.service import PolicyService, ServiceConfig
 from storage.schema import Message, Rollout, to_table
 from tasks.agent import Endpoint
@@ -79,9 +79,9 @@ def run_agent_shard(policy: ResidentPolicy, agent: AgentSpec, *, policy_id: str,
         if error is None and not log.calls:  # an episode with nothing recorded is never an empty 'answer'
             error = service.recorder.why_empty(policy_id)
         try:
-            fields = _fields(log, prompt, result, error)
+            fields = _fields(log, prompt, result, error, service.mark)
         except (TypeError, ValueError) as e:  # the agent returned something unusable: an error row too
-            fields = _fields(log, prompt, None, f"{type(e).__name__}: {e}")
+            fields = _fields(log, prompt, None, f"{type(e).__name__}: {e}", service.mark)
         if fields["finish_reason"] == "error":
             errors.append(f"{rollout_id}: {fields['metadata']['error']}")
         rows.append(Rollout(
@@ -191,9 +191,10 @@ async def _one(url: str, model: str, agent: AgentSpec, episode_id: str, prompt: 
         await client.close()
 
 
-def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None) -> dict[str, Any]:
+def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None,
+            mark: ContentMarker | None = None) -> dict[str, Any]:
     """The rollout fields an episode determines: tokens from the recording, messages and metadata
-    from the agent's result (see tasks/agent.py)."""
+    from the agent's result (see tasks/agent.py; images in them through `mark`, the service's)."""
     t = assemble(log)
     if error is not None:
         # No tokens: an agent's failure is not evidence about the policy's tokens; the row is scored
@@ -206,10 +207,10 @@ def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None) -> 
     if result is not None and not isinstance(result, (list, dict)) and framework_of(result) is not None:
         result = {"messages": result}  # a framework's result object (an Agents SDK RunResult, a smolagents agent)
     if isinstance(result, list):
-        messages, note = _returned(result, log, t.messages)
+        messages, note = _returned(result, log, t.messages, mark)
     elif isinstance(result, dict):
         if result.get("messages") is not None:
-            messages, note = _returned(result["messages"], log, t.messages)
+            messages, note = _returned(result["messages"], log, t.messages, mark)
         extra = result.get("metadata") or {}
         if not isinstance(extra, dict):
             raise TypeError("the result's 'metadata' must be a dict")
@@ -223,7 +224,8 @@ def _fields(log: EpisodeLog, prompt: Prompt, result: Any, error: str | None) -> 
         extra = {**extra, "messages_note": note}
     last = next((m for m in reversed(messages) if m.role == "assistant"), None)
     return dict(messages=messages, token_ids=t.token_ids, loss_mask=t.loss_mask, behavior_logprobs=t.behavior_logprobs,
-                segment_starts=t.segment_starts, num_turns=t.num_turns, num_tool_calls=_tool_messages(messages),
+                segment_starts=t.segment_starts, image_ids=t.image_ids, num_turns=t.num_turns,
+                num_tool_calls=_tool_messages(messages),
                 finish_reason="answer" if last is not None and not last.tool_calls else "max_turns",
                 truncated=t.finish_reason == "length", metadata={**prompt.metadata, **extra, **_constrained(t)})
 
@@ -234,13 +236,14 @@ def _constrained(t: Any) -> dict[str, Any]:
     return {"served_constraints": t.constraints} if any(t.constraints) else {}
 
 
-def _returned(raw: Any, log: EpisodeLog, recorded: list[Message]) -> tuple[list[Message], str | None]:
+def _returned(raw: Any, log: EpisodeLog, recorded: list[Message],
+              mark: ContentMarker | None = None) -> tuple[list[Message], str | None]:
     """The agent's returned conversation (chat dicts, message objects or a framework's history, see
     tasks/histories.py) as records, and None; or, when it cannot be read, the recorded conversation and
     a note saying why (the episode's tokens stand either way, so it is no error row). A framework keeps
     its system prompt outside its history (LangGraph, the Agents SDK): the recorded one is put back."""
     try:
-        messages = _messages(to_chat_messages(raw), log)
+        messages = _messages(to_chat_messages(raw), log, mark)
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # Unconvertible and schema errors are ValueErrors
         return recorded, f"the returned messages could not be stored ({type(e).__name__}: {str(e)[:500]}); " \
                          "the recorded conversation stands"
@@ -250,13 +253,13 @@ def _returned(raw: Any, log: EpisodeLog, recorded: list[Message]) -> tuple[list[
     return messages, None
 
 
-def _messages(raw: list[Any], log: EpisodeLog) -> list[Message]:
+def _messages(raw: list[Any], log: EpisodeLog, mark: ContentMarker | None = None) -> list[Message]:
     """The agent's conversation as records; a generated assistant message is stored as the model
     wrote it (its raw text, what the tokens hold), like the built-in loop stores it."""
     out = []
     for m in raw:
         data = m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
-        message = ChatMessage.model_validate(data).to_message()
+        message = ChatMessage.model_validate(data).to_message(mark)
         hit = log.returned.get(fingerprint(message.content, message.tool_calls)) if message.role == "assistant" else None
         out.append(log.calls[hit[0]].choices[hit[1]].message if hit else message)
     return out

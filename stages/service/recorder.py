@@ -44,6 +44,8 @@ class Completion:
     # The constraint the turn was sampled under (e.g. "tool_choice=required"), None when free: its
     # log-probs are then those of the masked, renormalised distribution (stages/policy/constrain.py).
     constraint: str | None = None
+    # A vision-language policy's: the ids of the images whose placeholders prompt_ids holds, in placeholder order.
+    image_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -241,6 +243,7 @@ class Trajectory:
     num_turns: int
     finish_reason: str  # of the last completion: stop | length
     constraints: list[str | None] = field(default_factory=list)  # per call, its chosen completion's constraint
+    image_ids: list[str] = field(default_factory=list)  # the images of token_ids' placeholders, in order (all segments)
 
 
 def assemble(log: EpisodeLog) -> Trajectory:
@@ -249,17 +252,20 @@ def assemble(log: EpisodeLog) -> Trajectory:
     mask: list[int] = []
     logprobs: list[float] = []
     starts: list[int] = []
-    segment = 0  # where the current segment starts in ids
+    images: list[str] = []
+    segment, segment_images = 0, 0  # where the current segment starts in ids and in images
     for call in log.calls:
         turn = call.choices[call.chosen]
-        current = ids[segment:]
-        if current and turn.prompt_ids[: len(current)] == current:
-            new = turn.prompt_ids[len(current):]
+        current, seen = ids[segment:], images[segment_images:]
+        # Equal placeholder tokens may stand for different images: the images must extend the segment's too.
+        if current and turn.prompt_ids[: len(current)] == current and turn.image_ids[: len(seen)] == seen:
+            new, new_images = turn.prompt_ids[len(current):], turn.image_ids[len(seen):]
         else:
             if ids:
                 starts.append(len(ids))
-                segment = len(ids)
-            new = turn.prompt_ids
+                segment, segment_images = len(ids), len(images)
+            new, new_images = turn.prompt_ids, turn.image_ids
+        images += new_images
         ids += new + turn.token_ids
         mask += [0] * len(new) + [1] * len(turn.token_ids)
         logprobs += [0.0] * len(new) + turn.logprobs
@@ -268,5 +274,5 @@ def assemble(log: EpisodeLog) -> Trajectory:
         token_ids=ids, loss_mask=mask, behavior_logprobs=logprobs, segment_starts=starts,
         messages=(last.messages + [last.choices[last.chosen].message]) if last else [],
         num_turns=len(log.calls), finish_reason=last.choices[last.chosen].finish_reason if last else "",
-        constraints=[c.choices[c.chosen].constraint for c in log.calls],
+        constraints=[c.choices[c.chosen].constraint for c in log.calls], image_ids=images,
     )

@@ -1,8 +1,9 @@
 """The Responses API of the policy service (`POST /v1/responses`), on top of its chat machinery.
 
 A Responses request is turned into the chat request it means (instructions -> the system message,
-input items -> messages, function tools -> chat tools, max_output_tokens -> max_tokens), so it is
-sampled, batched, streamed and recorded exactly as a chat call is. Its one assistant turn comes back
+input items -> messages, `input_image` parts -> `image_url` parts, function tools -> chat tools,
+max_output_tokens -> max_tokens), so it is sampled, batched, streamed and recorded exactly as a chat
+call is (images: a vision-language policy's, see stages/service/service.py). Its one assistant turn comes back
 as output items: a `message` (one `output_text` part) when the turn has text, a `function_call`
 (`id: fc_...`, `call_id: call_...`) per tool call. A later request that sends those items back (the
 `function_call` recognised by its `call_id`, with its name and arguments) continues the episode.
@@ -68,7 +69,7 @@ class ResponsesAPI:
     def _chat(self, req: ResponsesRequest) -> tuple[ChatRequest, list[dict[str, Any]]]:
         """The chat request a Responses request means, and its conversation without the instructions."""
         history = list(self.store.get(req.previous_response_id)) if req.previous_response_id else []
-        history += [m.to_openai() for m in req.messages()]
+        history += req.messages()
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
         chat = ChatRequest(model=req.model, messages=system + history, tools=req.chat_tools(),
                            max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,

@@ -11,17 +11,21 @@ sent as `null` means "not set" and is always accepted. Nested objects (messages,
 ignoring extra keys (`annotations`, `refusal`, `index`): clients echo them back. `tool_choice`,
 `parallel_tool_calls`, `response_format` and `top_logprobs` are honoured or refused by
 stages/service/decoding.py.
+
+Content parts: `text` and `image_url` in chat messages (not in an assistant's), `input_text`,
+`output_text` and `input_image` in Responses items. Whether images are taken is the policy's
+business: the service refuses them for a text-only policy and stores them for a vision-language
+one (`ChatRequest.conversation(mark)`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.policy.sampling import Sample
-from stages.policy.vlm import has_images
 from storage.schema import Message, ToolCall
 from tasks.base import OPEN_TAG, TOOL_CALL_RE, render_system_prompt
 
@@ -110,25 +114,48 @@ class TextPart(_Lenient):
     text: str
 
 
+class ImageURL(_Lenient):  # detail: ignored (the processor's own image settings decide the pixels)
+    url: str  # a base64 data URL, or a local file under the service's image root (ServiceConfig.image_root)
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+# Turns a message content (text or parts) into a record's content, images stored and referenced (a
+# vision-language policy's service: stages.policy.vlm_chat.marked_content); ValueError for a bad image.
+ContentMarker = Callable[[str | list[dict[str, Any]] | None], str | None]
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, content: Any) -> Any:
-        # The served policies are text models: an image part is refused by name (a 400), not dropped or
-        # reported as a type error. Vision-language policies: stages/policy/vlm.py (not served yet).
-        if has_images(content):
-            raise ValueError("image_url content parts need a vision-language policy; the policy service "
-                             "serves text-only policies")
-        return content
+    @model_validator(mode="after")
+    def _no_assistant_images(self) -> ChatMessage:
+        if self.role == "assistant" and self.has_images():
+            raise ValueError("an assistant message cannot hold image_url parts (the model writes text)")
+        return self
 
-    def to_message(self) -> Message:
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
+
+    def image_count(self) -> int:
+        return sum(p.type == "image_url" for p in self.content) if isinstance(self.content, list) else 0
+
+    def to_message(self, mark: ContentMarker | None = None) -> Message:
+        """The message as a record; a content with images through `mark` (ValueError without one: only a
+        vision-language policy can take images, and the service checks that first, naming the message)."""
+        if mark is not None and self.role != "assistant":  # a text may not pass for an image reference either
+            content = mark([p.model_dump() for p in self.content] if isinstance(self.content, list) else self.content)
+        elif self.has_images():
+            raise ValueError("image_url content parts need a vision-language policy")
+        else:
+            content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or []]
         role = "system" if self.role == "developer" else self.role  # chat templates know "system"
         return Message(role, content, calls, self.tool_call_id, self.name)
@@ -196,10 +223,11 @@ class ChatRequest(_Sampling):
                 raise ValueError("each tool must be {'type': 'function', 'function': {'name': ..., ...}}")
         return v
 
-    def conversation(self) -> list[Message]:
-        """The messages as rlops records them; `tools` are written into the system message in the
-        `<tool_call>` format the service parses (small chat templates have no tool support)."""
-        messages = [m.to_message() for m in self.messages]
+    def conversation(self, mark: ContentMarker | None = None) -> list[Message]:
+        """The messages as rlops records them (images through `mark`, see `ChatMessage.to_message`); `tools`
+        are written into the system message in the `<tool_call>` format the service parses (small chat
+        templates have no tool support)."""
+        messages = [m.to_message(mark) for m in self.messages]
         if self.tools:
             if messages[0].role == "system":
                 messages[0].content = render_system_prompt(messages[0].content or "", self.tools)
@@ -306,10 +334,14 @@ class ResponsesRequest(_Request):
                                  "(message, function_call, function_call_output are)")
             if missing := [f for f in need if f not in item]:
                 raise ValueError(f"item {k} ({kind}) lacks {', '.join(missing)}")
-            if kind == "message" and not isinstance(item["content"], str):
-                for part in item["content"]:
-                    if part.get("type") not in ("input_text", "output_text", "text"):
-                        raise ValueError(f"item {k}: content part {part.get('type')!r} is not implemented (text only)")
+            content = item["content"] if kind == "message" else item.get("output")
+            for part in [] if isinstance(content, str) else content or []:
+                if part.get("type") not in ("input_text", "output_text", "text", "input_image"):
+                    raise ValueError(f"item {k}: content part {part.get('type')!r} is not implemented "
+                                     "(input_text, output_text, input_image are)")
+                if part["type"] == "input_image" and not isinstance(part.get("image_url"), str):
+                    raise ValueError(f"item {k}: an input_image part needs image_url (a data URL); file_id is not "
+                                     "implemented")
         return v
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
@@ -319,19 +351,19 @@ class ResponsesRequest(_Request):
         return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
                 for t in self.tools]
 
-    def messages(self) -> list[Message]:
+    def messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages (instructions not included): an assistant message followed by
-        function_call items is one assistant turn with those tool calls, as the service returned it."""
+        function_call items is one assistant turn with those tool calls, as the service returned it; a
+        content with `input_image` parts as chat's `image_url` parts."""
         if isinstance(self.input, str):
-            return [Message("user", self.input)]
+            return [Message("user", self.input).to_openai()]
         out: list[Message] = []
+        contents: dict[int, list[dict[str, Any]]] = {}  # message index -> its chat parts, when it holds images
         for item in self.input:
             kind = item.get("type", "message")
             if kind == "message":
-                content = item["content"]
-                text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
                 role = "system" if item["role"] == "developer" else item["role"]
-                out.append(Message(role, text))
+                out.append(Message(role, _text(item["content"])))
             elif kind == "function_call":
                 call = ToolCall(item["call_id"], item["name"], item["arguments"])
                 if out and out[-1].role == "assistant" and out[-1].tool_call_id is None:
@@ -339,7 +371,14 @@ class ResponsesRequest(_Request):
                 else:
                     out.append(Message("assistant", None, [call]))
             else:
-                output = item["output"]
-                text = output if isinstance(output, str) else "".join(p.get("text", "") for p in output)
-                out.append(Message("tool", text, tool_call_id=item["call_id"]))
-        return out
+                out.append(Message("tool", _text(item["output"]), tool_call_id=item["call_id"]))
+            raw = item.get("content", item.get("output"))
+            if kind != "function_call" and not isinstance(raw, str) and any(p.get("type") == "input_image" for p in raw):
+                contents[len(out) - 1] = [{"type": "image_url", "image_url": {"url": p["image_url"]}}
+                                          if p.get("type") == "input_image" else {"type": "text", "text": p.get("text", "")}
+                                          for p in raw]
+        return [m.to_openai() | ({"content": contents[k]} if k in contents else {}) for k, m in enumerate(out)]
+
+
+def _text(content: str | list[dict[str, Any]]) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)

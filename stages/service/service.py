@@ -16,8 +16,15 @@ sampling settings in one `generate` call (n > 1 is n prompts of that call). A re
 `seed` is generated alone, so the same request with the same seed repeats exactly; unseeded calls
 draw their batch seed from the service's seeded stream.
 
-A refused request raises `ServiceError` with its HTTP status and OpenAI error code (the app turns it
-into an OpenAI-style error body).
+Images: a vision-language base (`stages.policy.vlm_resident.VisualResidentPolicy`) takes `image_url`
+parts; each request's images are validated and stored in the workspace's image store before any
+compute (`_conversation`: at most `max_images`, local files only under `image_root`), referenced from the
+records by id, and expanded into placeholder tokens by the policy's `VisualChatFormat`. A request with
+images is generated alone (its n samples share its pixel inputs); the recorder keeps each call's image ids.
+A text-only policy answers an image with a 400.
+
+A refused request raises `ServiceError` with its HTTP status, OpenAI error code and the field it names
+(the app turns it into an OpenAI-style error body).
 """
 
 from __future__ import annotations
@@ -30,27 +37,30 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from stages.policy.chat import ChatFormat
 from stages.policy.resident import ResidentPolicy
 from stages.policy.sampling import RowOptions, Sample, SamplingConfig, decode_turn
+from stages.policy.vlm_chat import image_ids_of, marked_content
+from stages.policy.vlm_resident import DEFAULT_MAX_IMAGES, VisualResidentPolicy
 from stages.service.decoding import request_decoding
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.service.resolve import Resolver
-from stages.service.schemas import (ChatRequest, CompletionRequest, call_id, logprobs_content, stop_hit, visible_text,
-                                    without_tool_calls)
+from stages.service.schemas import (ChatRequest, CompletionRequest, ContentMarker, call_id, logprobs_content, stop_hit,
+                                    visible_text, without_tool_calls)
 from stages.service.stream import ChoiceText, TokenFeed, chat_sse, completion_sse
 from storage.schema import Message, ToolCall
 from tasks.base import parse_tool_calls
 
 
 class ServiceError(Exception):
-    """A request the service refuses, with its HTTP status and OpenAI error code."""
+    """A request the service refuses, with its HTTP status, OpenAI error code and the request field it names."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status, self.code, self.param = status, code, param
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,11 @@ class ServiceConfig:
     forced: SamplingConfig | None = None
     max_total_tokens: int | None = None  # rollout: an episode's whole sequence (prompt + completion)
     seed: int = 0  # the stream of batch seeds for unseeded requests
+    # A vision-language policy's images per request (the whole conversation's): each is tens to hundreds of
+    # prompt tokens and its pixels a forward pass's memory, so a bound refuses a runaway agent before compute.
+    max_images: int = DEFAULT_MAX_IMAGES
+    # Where `image_url`s naming local files (file:// or a path) may be read from; None: data URLs only.
+    image_root: Path | None = None
 
 
 @dataclass
@@ -80,6 +95,7 @@ class _Job:
     future: Future = field(default_factory=Future)
     # A streamed request's feed: gets (prompt index, token) pairs of each decoding step.
     on_step: Callable[[list[tuple[int, int]]], None] | None = None
+    images: list[str] = field(default_factory=list)  # a VLM request's image ids (every prompt's), in placeholder order
 
 
 class PolicyService:
@@ -92,7 +108,11 @@ class PolicyService:
         of waiting out the window, and a slow straggler delays the others by the window at most."""
         self.policy, self.resolve, self.config, self.names = policy, resolve, config, names
         self.in_flight = in_flight
-        self.chat = ChatFormat(policy.tokenizer)
+        # A vision-language policy's format expands image references into placeholder tokens (vlm_chat.py).
+        self.vision = policy if isinstance(policy, VisualResidentPolicy) else None
+        self.chat = self.vision.chat if self.vision else ChatFormat(policy.tokenizer)
+        # How a message content becomes a record's: images stored and referenced; None: a text policy takes none.
+        self.mark: ContentMarker | None = self._mark if self.vision else None
         self.recorder = Recorder()
         self.generate_calls = 0  # generate calls made (batching is visible in tests and benchmarks)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -125,22 +145,24 @@ class PolicyService:
                               top_p=1.0 if top_p is None else top_p,
                               max_new_tokens=min(wanted, room), stop=tuple(stop))
 
-    async def generate(self, model: str, prompts: list[list[int]], sampling: SamplingConfig,
-                       seed: int | None, options: RowOptions = RowOptions()) -> tuple[str, list[Sample]]:
+    async def generate(self, model: str, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None,
+                       options: RowOptions = RowOptions(), images: list[str] | None = None) -> tuple[str, list[Sample]]:
         """Queue prompts for the batcher; returns (policy id, one sample per prompt)."""
-        job = self.submit(model, prompts, sampling, seed, options)
+        job = self.submit(model, prompts, sampling, seed, options, images=images)
         return job.policy_id, await asyncio.wrap_future(job.future)
 
     def submit(self, model: str, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None,
-               options: RowOptions = RowOptions(), on_step: Callable[[list[tuple[int, int]]], None] | None = None) -> _Job:
+               options: RowOptions = RowOptions(), on_step: Callable[[list[tuple[int, int]]], None] | None = None,
+               images: list[str] | None = None) -> _Job:
         """Queue prompts for the batcher (an unknown model is refused here, before any streaming starts);
-        the job's future gets one sample per prompt."""
+        the job's future gets one sample per prompt. `images`: the image ids every prompt's placeholders
+        stand for (a vision-language policy)."""
         try:
             policy_id, adapter_dir = self.resolve(model)
         except KeyError as e:
             self.recorder.count_unrecorded(unknown_model=model)
             raise ServiceError(404, e.args[0] if e.args else f"unknown model {model!r}", "model_not_found") from None
-        job = _Job(policy_id, adapter_dir, prompts, sampling, seed, options, on_step=on_step)
+        job = _Job(policy_id, adapter_dir, prompts, sampling, seed, options, on_step=on_step, images=images or [])
         self._queue.put(job)
         return job
 
@@ -164,7 +186,8 @@ class PolicyService:
             # cut to its own): near the end of a context or episode budget they all differ.
             groups: dict[tuple, list[_Job]] = {}
             for job in jobs:
-                alone = id(job) if job.seed is not None else None
+                # A seeded request repeats exactly when alone; a request with images has its own pixel inputs.
+                alone = id(job) if job.seed is not None or job.images else None
                 shared = replace(job.sampling, max_new_tokens=0)
                 groups.setdefault((job.policy_id, job.adapter_dir, shared, alone), []).append(job)
             for group in groups.values():
@@ -179,9 +202,10 @@ class PolicyService:
                 chunk = prompts[start : start + self.config.max_batch]
                 seed = jobs[0].seed if jobs[0].seed is not None else self._seeds.randrange(2**31)
                 sampling = replace(jobs[0].sampling, max_new_tokens=max(j.sampling.max_new_tokens for j, _, _ in chunk))
+                images = {"images": jobs[0].images} if jobs[0].images else {}  # then the group is that one job
                 samples = self.policy.generate(jobs[0].policy_id, jobs[0].adapter_dir, [p for _, _, p in chunk],
                                                sampling, seed, rows=[j.options for j, _, _ in chunk],
-                                               on_step=_fan_out(chunk))
+                                               on_step=_fan_out(chunk), **images)
                 self.generate_calls += 1
                 for (job, _, _), sample in zip(chunk, samples):
                     out[id(job)].append(self._cut(sample, job.sampling.max_new_tokens))
@@ -208,8 +232,9 @@ class PolicyService:
         """The request as served (stages/service/decoding.py), its sampler options, the episode log, prompt
         ids, conversation as the model sees it, and sampling of a chat request."""
         req, options = self._decoding(req)
+        conversation = self._conversation(req)
         log = self.recorder.get(episode_id) if episode_id else None
-        prompt, seen = chat_prompt(self.chat, req.conversation(), log, self.policy.eos_ids)
+        prompt, seen = chat_prompt(self.chat, conversation, log, self.policy.eos_ids)
         sampling = self.sampling(req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens,
                                  req.stop, len(prompt))
         return req, options, log, prompt, seen, sampling
@@ -232,7 +257,7 @@ class PolicyService:
             # A call cut off by max_tokens is "length", as OpenAI says it: the agent must not run half a call.
             finish = "tool_calls" if calls and s.finish_reason != "length" else s.finish_reason
             recorded.append(Completion(prompt, s.token_ids, s.logprobs, Message("assistant", s.text, calls), s.finish_reason,
-                                       s.constraint))
+                                       s.constraint, self._images(seen)))
             returned.append(shown)
             # `stop_reason` as vLLM returns it: the stop string that ended the turn (Anthropic's `stop_sequence`).
             choices.append({"index": i, "message": shown.to_openai() | {"content": shown.content},
@@ -246,12 +271,37 @@ class PolicyService:
         """How many tokens the request's prompt is, built as `_chat_setup` builds it (the episode's
         recognised turns as their recorded tokens), with nothing generated or recorded."""
         req, _ = self._decoding(req)
+        conversation = self._conversation(req)
         log = self.recorder.peek(episode_id) if episode_id else None
-        return len(chat_prompt(self.chat, req.conversation(), log, self.policy.eos_ids)[0])
+        return len(chat_prompt(self.chat, conversation, log, self.policy.eos_ids)[0])
+
+    def _conversation(self, req: ChatRequest) -> list[Message]:
+        """The request's messages as records, each image validated and stored (referenced by id: vlm_chat.py),
+        before any compute. 400 naming the problem: an image for a text-only policy, more images than
+        `max_images`, an image that does not decode, an unsupported format, a file outside the image root."""
+        with_images = [k for k, m in enumerate(req.messages) if m.has_images()]
+        if with_images and self.vision is None:
+            raise ServiceError(400, "image_url content parts need a vision-language policy; this service's policy "
+                                    "is text-only", param=f"messages.{with_images[0]}.content")
+        count = sum(m.image_count() for m in req.messages)
+        if count > self.config.max_images:
+            raise ServiceError(400, f"the request holds {count} images; this service takes at most "
+                                    f"{self.config.max_images} per request (max_images)", "too_many_images", "messages")
+        try:
+            return req.conversation(self.mark)
+        except ValueError as e:
+            raise ServiceError(400, str(e), "invalid_image") from None
+
+    def _mark(self, content: str | list[dict[str, Any]] | None) -> str | None:
+        return marked_content(content, self.vision.vlm.store, self.config.image_root)
+
+    def _images(self, seen: list[Message]) -> list[str]:
+        """The ids of the images a prompt built from `seen` holds, in placeholder order ([] for a text policy)."""
+        return image_ids_of(seen) if self.vision else []
 
     async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
         req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
-        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options)
+        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options, self._images(seen))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples),
@@ -264,7 +314,8 @@ class PolicyService:
         here, so it is an ordinary HTTP error; the recording is the plain call's (`_chat_choices`)."""
         req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
         feed = TokenFeed()
-        job = self.submit(req.model, [prompt] * req.n, sampling, req.seed, options, on_step=feed.on_step)
+        job = self.submit(req.model, [prompt] * req.n, sampling, req.seed, options, on_step=feed.on_step,
+                          images=self._images(seen))
         feed.watch(job.future)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -367,6 +418,7 @@ class PolicyService:
         t = assemble(log)
         return {"episode_id": episode_id, "token_ids": t.token_ids, "loss_mask": t.loss_mask,
                 "behavior_logprobs": t.behavior_logprobs, "segment_starts": t.segment_starts, "constraints": t.constraints,
+                "image_ids": t.image_ids,
                 "num_turns": t.num_turns, "messages": [m.to_openai() for m in t.messages]}
 
 

@@ -13,8 +13,8 @@ importance ratio is computed at exactly the temperature the behaviour log-probs 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stages.reward_ref import RewardRef

@@ -18,11 +18,12 @@ from flows.run_config import from_dict, vision_language_problems
 from stages import evaluate, rollout, sft
 from stages.common import StageContext, base_policy
 from stages.policy.vlm import VisualSample, VLMPolicy, processor_fingerprint
+from stages.policy.vlm_episodes import task_policy_problem
 from stages.sft import SFTConfig
 from storage.images import ImageStore
 from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
-from tasks.base import load_task
+from tasks.base import Task, load_task
 from tasks.count_shapes import draw_png
 
 
@@ -106,15 +107,16 @@ def test_a_rerun_reuses_every_stage(run):
 
 
 def test_what_a_vlm_does_not_support_yet_is_a_config_problem_naming_it(tiny_vlm_dir):
-    cfg = from_dict(_config(tiny_vlm_dir, task={"name": "doc_search"}, algorithm="dpo", max_staleness=1,
-                            rollout={"backend": "vllm", "workers": 2, "top_p": 0.9},
+    cfg = from_dict(_config(tiny_vlm_dir, algorithm="dpo", max_staleness=1, rollout={"backend": "vllm", "workers": 2},
                             sft={"data": "oracle"}))
-    problems = "\n".join(vision_language_problems(cfg, load_task("doc_search")))
-    for named in ("rollout.backend 'vllm'", "rollout.workers 2", "rollout.top_p 0.9", "task 'doc_search'",
-                  "dpo (its loss has no pixel inputs", "max_staleness 1", "sft (its loss"):
+    problems = "\n".join(vision_language_problems(cfg, load_task(**cfg.task.model_dump())))
+    for named in ("rollout.backend 'vllm'", "rollout.workers 2", "dpo (its loss has no pixel inputs", "max_staleness 1",
+                  "sft (its loss"):
         assert named in problems
-    good = _config(tiny_vlm_dir)
-    assert vision_language_problems(from_dict(good), load_task(**good["task"])) == []
+    # Multi-turn tasks with tools (the zoom variant), text tasks, top_p and stop strings run.
+    for task in ({"name": "count_shapes", "params": {"zoom_turns": 2, "n_train": 8, "n_test": 4}}, {"name": "doc_search"}):
+        good = from_dict(_config(tiny_vlm_dir, task=task, rollout={"top_p": 0.9, "stop": ["</tool_call>"]}))
+        assert vision_language_problems(good, load_task(**task)) == []
 
 
 def test_a_text_model_on_a_visual_task_is_refused_naming_the_problem(tiny_model_dir, tmp_path):
@@ -125,6 +127,10 @@ def test_a_text_model_on_a_visual_task_is_refused_naming_the_problem(tiny_model_
     ctx = StageContext(ws, run_name="text")
     with pytest.raises(ValueError, match="shows images, and the base model is text-only"):
         rollout.run(rollout.RolloutConfig(), ctx, base_policy(ws, str(tiny_model_dir)), rollout.TaskSpec(**cfg["task"]))
+    # Tools bound to a prompt run in the visual loop only, so far.
+    bound = Task(name="lookup", system_prompt="", prompts=lambda split: [], prompt_tools=lambda prompt: {})
+    assert "tools bound to its prompts" in task_policy_problem(bound, False)
+    assert task_policy_problem(bound, True) is None
 
 
 def test_the_stages_refuse_it_before_compute(run, tiny_vlm_dir):

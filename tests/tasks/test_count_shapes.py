@@ -126,3 +126,25 @@ def test_the_caption_names_each_shape_left_to_right() -> None:
     metadata = {"size": 64, "shapes": [["square", "blue", 40, 5, 50, 15], ["circle", "red", 3, 30, 12, 39]]}
     assert caption(metadata) == "2 shapes: a red circle and a blue square."
     assert caption({"size": 64, "shapes": [["circle", "green", 1, 1, 9, 9]]}) == "1 shape: a green circle."
+
+
+def test_the_zoom_variant_is_multi_turn_and_its_tool_returns_the_enlarged_quarter_as_content_parts() -> None:
+    task = make_task(size=32, n_train=20, n_test=2, zoom_turns=2)
+    assert task.max_turns == 3 and [s["function"]["name"] for s in task.tool_specs] == ["zoom"]
+    assert "zoom(region)" in task.messages(task.prompts("train")[0])[0]["content"]
+    assert make_task(size=32, n_train=20, n_test=2).prompt_tools is None
+    p = next(q for q in task.prompts("train") if q.metadata["answer"] > 1)
+    whole = Image.open(io.BytesIO(draw_png(p.metadata))).convert("RGB")
+    for region, (left, top) in {"top-left": (0, 0), "top-right": (16, 0), "bottom-left": (0, 16),
+                                "bottom-right": (16, 16)}.items():
+        text, image = task.episode_tools(p)["zoom"](region=region)
+        assert text == {"type": "text", "text": f"The {region} quarter, enlarged:"}
+        view = Image.open(io.BytesIO(image_bytes_from_url(image["image_url"]["url"]))).convert("RGB")
+        assert view.size == (32, 32)
+        for x in range(32):  # each enlarged pixel is the quarter's pixel it came from
+            for y in range(32):
+                assert view.getpixel((x, y)) == whole.getpixel((left + x // 2, top + y // 2))
+    with pytest.raises(ValueError, match="region must be one of"):
+        task.episode_tools(p)["zoom"](region="middle")
+    # The tool and its turn limit are task content: zoom episodes are other rollouts than single-turn ones.
+    assert content_digest(task, [p]) != content_digest(make_task(size=32, n_train=20, n_test=2), [p])
