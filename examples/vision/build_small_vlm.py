@@ -12,8 +12,8 @@ vision tower taught to see the count_shapes pictures by a short SFT.
    something but not everything, leaving GRPO room on the held-out split.
 3. Save model + processor in one folder (atomically; a `.rlops-complete` marker written last).
 
-Deterministic for a given seed on one machine. Torch threads: `--threads` (2 by default: the CPU machines rlops
-runs on have 2 cores).
+Deterministic for a given seed: two builds with `--threads 1` wrote bit-identical weights (sha256 of
+model.safetensors). Torch threads: `--threads` (2 by default: the CPU machines rlops runs on have 2 cores).
 """
 
 from __future__ import annotations
@@ -173,6 +173,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)  # the count probe's initial weights come from the global generator
     text_dir = prepare_default_model()
     model, processor = assemble_vlm(text_dir, VisionTower(), seed=args.seed)
     gap = text_logit_gap(model, text_dir, "What is the capital of France?")
