@@ -22,7 +22,7 @@ WORKERS ?= 3
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup model browser js test demo bench newest clean
+.PHONY: setup model small-vlm browser js test demo bench newest clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ $(JS)/node_modules/.package-lock.json: $(JS)/package-lock.json
 
 test: model browser js
 	$(LOOPBACK) $(VENV)/bin/pytest -n $(WORKERS) $(TESTS)
+
+# The small vision-language model for CPU (SmolLM2-135M in SmolVLM's architecture, a small vision tower trained
+# here on count_shapes; examples/vision/build_small_vlm.py) into $RLOPS_CACHE/models; a no-op once built.
+small-vlm: model
+	$(LOOPBACK) $(PY) examples/vision/build_small_vlm.py
 
 demo: model
 	$(LOOPBACK) $(VENV)/bin/rlops run configs/arithmetic.yaml
