@@ -1,6 +1,7 @@
 """What an image costs in the GRPO update of a vision-language policy, and the memory at the most images (issue 34).
 
     .ci/loopback .venv/bin/python bench/bench_vlm_update.py [--images 0,1,2,4,8] [--length 640] [--repeats 2]
+    .ci/loopback .venv/bin/python bench/bench_vlm_update.py --images 0,4 --tower-grads   # before the fix below
 
 The model has SmolVLM-256M's architecture (Idefics3): the SmolLM2-135M text model, a SigLIP-B/16 vision
 tower at 512x512 (12 layers, hidden 768, 1024 patches), pixel shuffle by 4 to 64 image tokens per image,
@@ -15,8 +16,13 @@ the tokens are image placeholders, the rest text. So the rows differ only in how
     cost of an image token = (t_k - t_0) / (64 k) + t_0 / length     (the vision tower's share + a token's)
     ratio = that / (t_0 / length)                                    (x the cost of a text token)
 
-Each row runs in its own child process, so `peak MB` is that child's peak RSS (model, optimizer, one
-micro-batch's activations and pixel inputs).
+`--tower-grads` reproduces the update before `set_activation_checkpointing` removed transformers' input-grad
+hooks (stages/policy/logprobs.py): the frozen vision tower's output then required grad, so backward ran
+through the tower and its activations were kept.
+
+Each row runs in its own child process; `peak MB` is its peak RSS during the updates (the peak is reset
+after the model is built: model, optimizer, one micro-batch's activations and pixel inputs), `+MB` that
+peak over the resting process before the first update.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -94,7 +99,7 @@ def sample(processor, k: int, length: int):
     return Sample(ids, mask, [-1.0 * m for m in mask], vision=vision)
 
 
-def child(k: int, length: int, repeats: int) -> dict:
+def child(k: int, length: int, repeats: int, tower_grads: bool = False) -> dict:
     import torch
 
     from stages.update.config import GRPOConfig
@@ -105,6 +110,12 @@ def child(k: int, length: int, repeats: int) -> dict:
     s = sample(processor, k, length)
     config = GRPOConfig(lr=1e-5, micro_batch_size=1, micro_batch_tokens=None)
     optimizer = make_optimizer(model, None, config)
+    if tower_grads:  # transformers' own enable (it hooks the embeddings); train_on_batch leaves it active
+        from stages.policy.logprobs import _causal_lm
+
+        _causal_lm(model).activation_checkpointing_enable({"use_reentrant": False})
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM): the update's own peak from here
+    resting = _status_mb("VmRSS")
     times = []
     for _ in range(repeats + 1):  # the first is warm-up
         start = time.perf_counter()
@@ -112,7 +123,13 @@ def child(k: int, length: int, repeats: int) -> dict:
         times.append(time.perf_counter() - start)
     n_image = sum(t == processor.tokenizer.convert_tokens_to_ids("<image>") for t in s.token_ids)
     return {"images": k, "image_tokens": n_image, "length": length, "seconds": statistics.median(times[1:]),
-            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_mb": _status_mb("VmHWM"), "extra_mb": _status_mb("VmHWM") - resting}
+
+
+def _status_mb(field: str) -> float:
+    """A memory field of /proc/self/status (kB there) in MiB."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
 
 
 def main() -> None:
@@ -120,18 +137,21 @@ def main() -> None:
     ap.add_argument("--images", default="0,1,2,4,8")
     ap.add_argument("--length", type=int, default=640)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tower-grads", action="store_true", help="the update before the input-grad fix")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.length, args.repeats)))
+        print(json.dumps(child(args.child, args.length, args.repeats, args.tower_grads)))
         return
     rows = []
     print(f"SmolVLM-256M-shaped Idefics3 (random weights), {IMAGE_SIZE}px images = {IMAGE_TOKENS} tokens each, "
-          f"one sequence of {args.length} tokens ({SAMPLED} sampled) per update, LoRA r=8 on the language model")
-    print(f"{'images':>6} {'image tok':>9} {'update s':>9} {'peak MB':>8} {'image token / text token':>25}")
+          f"one sequence of {args.length} tokens ({SAMPLED} sampled) per update, LoRA r=8 on the language model"
+          + (", the vision tower backpropagated (--tower-grads)" if args.tower_grads else ""))
+    print(f"{'images':>6} {'image tok':>9} {'update s':>9} {'peak MB':>8} {'+MB':>6} {'image token / text token':>25}")
     for k in (int(x) for x in args.images.split(",")):
-        out = subprocess.run([sys.executable, __file__, "--child", str(k), "--length", str(args.length),
-                              "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)
+        argv = ["--child", str(k), "--length", str(args.length), "--repeats", str(args.repeats)]
+        argv += ["--tower-grads"] if args.tower_grads else []
+        out = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         base = rows[0] if rows[0]["images"] == 0 else None
@@ -140,7 +160,7 @@ def main() -> None:
             per_text = base["seconds"] / base["length"]
             per_image = (row["seconds"] - base["seconds"]) / row["image_tokens"] + per_text
             ratio = f"{per_image / per_text:.2f}x"
-        print(f"{k:>6} {row['image_tokens']:>9} {row['seconds']:>9.2f} {row['peak_mb']:>8.0f} {ratio:>25}", flush=True)
+        print(f"{k:>6} {row['image_tokens']:>9} {row['seconds']:>9.2f} {row['peak_mb']:>8.0f} {row['extra_mb']:>6.0f} {ratio:>25}", flush=True)
 
 
 if __name__ == "__main__":
