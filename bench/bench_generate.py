@@ -36,7 +36,7 @@ def main() -> None:
     import torch
 
     from stages.policy import hf as gen
-    from stages.policy.agent_loop import EpisodeSpec, _turn_seed, run_episodes
+    from stages.policy.agent_loop import EpisodeSpec, run_episodes, turn_seed
     from stages.policy.chat import ChatFormat
     from stages.policy.hf import HFBackend
     from stages.policy.load import load_policy
@@ -57,7 +57,7 @@ def main() -> None:
         chat.encode(chat.render([Message(m["role"], m["content"]) for m in task.messages(s.prompt)], True))
         for s in specs
     ]
-    seed = _turn_seed(sampling.seed, [s.seed for s in specs], 0)
+    seed = turn_seed(sampling.seed, [s.seed for s in specs], 0)
     width = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])  # (B, P)
     attention_mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()

@@ -182,12 +182,12 @@ def run_episodes(
                 break
             # One generate call for every active episode; each sample is cut to its own room after.
             turn_sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max(room.values())))
-            seed = _turn_seed(sampling.seed, [episodes[i].seed for i in active], turn)
+            seed = turn_seed(sampling.seed, [episodes[i].seed for i in active], turn)
             samples = backend.generate([out[i].token_ids for i in active], turn_sampling, seed)
 
             calling: list[tuple[int, list[ToolCall]]] = []
             for i, sample in zip(active, samples):
-                calls, budget_hit, length_cut = _add_turn(out[i], sample, room[i], turn, chat, eos_ids)
+                calls, budget_hit, length_cut = add_turn(out[i], sample, room[i], turn, chat, eos_ids)
                 if budget_hit:
                     finish(i, "max_tokens", True)
                 elif not calls:
@@ -203,19 +203,28 @@ def run_episodes(
                 ep = out[i]
                 done = [next(results) for _ in calls]
                 tool_messages = [Message("tool", r.content, tool_call_id=c.id, name=c.name) for c, r in zip(calls, done)]
-                ids = chat.encode(chat.tool_turn(ep.messages, tool_messages))
-                if len(ep.token_ids) + len(ids) + 1 + reserve > max_total_tokens:
+                if not add_tool_results(ep, chat, tool_messages, sum(r.error for r in done), max_total_tokens - reserve):
                     finish(i, "max_tokens", True)  # the results do not fit: the episode ends without them
                     continue
-                ep.messages += tool_messages
-                ep.extend(ids)
-                ep.num_tool_calls += len(calls)
-                ep.num_tool_errors += sum(r.error for r in done)
                 active.append(i)
     return out
 
 
-def _add_turn(
+def add_tool_results(ep: Episode, chat: ChatFormat, results: list[Message], errors: int, budget: int) -> bool:
+    """Append a turn's tool messages to `ep` (their template text and the next generation prompt, mask 0)
+    when they fit in `budget` tokens with room for one sampled token; False, appending nothing, when they
+    do not (the caller ends the episode)."""
+    ids = chat.encode(chat.tool_turn(ep.messages, results))
+    if len(ep.token_ids) + len(ids) + 1 > budget:
+        return False
+    ep.messages += results
+    ep.extend(ids)
+    ep.num_tool_calls += len(results)
+    ep.num_tool_errors += errors
+    return True
+
+
+def add_turn(
     ep: Episode, sample: Sample, room: int, turn: int, chat: ChatFormat, eos_ids: set[int]
 ) -> tuple[list[ToolCall], bool, bool]:
     """Append one sampled turn (cut to `room` tokens) and its end-of-turn tokens to `ep`.
@@ -242,7 +251,7 @@ def _add_turn(
     return calls, budget_hit, budget_hit or sample.finish_reason == "length"
 
 
-def _turn_seed(base: int, seeds: list[int], turn: int) -> int:
+def turn_seed(base: int, seeds: list[int], turn: int) -> int:
     """A batch seed from the base seed, the active episodes' seeds and the turn (31 bits, which
     every backend accepts)."""
     digest = hashlib.sha256(f"{base}:{turn}:{seeds}".encode()).digest()

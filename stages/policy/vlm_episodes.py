@@ -28,8 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# _add_turn and _turn_seed: a visual turn is appended and seeded exactly as a text turn.
-from stages.policy.agent_loop import Episode, EpisodeSpec, _add_turn, _turn_seed, call_tools
+# add_turn and turn_seed: a visual turn is appended and seeded exactly as a text turn.
+from stages.policy.agent_loop import Episode, EpisodeSpec, add_tool_results, add_turn, call_tools, turn_seed
 from stages.policy.sampling import SamplingConfig
 from stages.policy.vlm import VLMPolicy, add_vlm_lora
 from stages.policy.vlm_chat import image_ids_of, marked_content
@@ -108,7 +108,7 @@ class ResidentVLM:
     def group(self, policy_id: str, adapter_dir: str | None, task: Task, specs: list[EpisodeSpec], *,
               sampling: SamplingConfig, max_total_tokens: int, tool_timeout: float) -> list[Episode]:
         """The episodes of one prompt, turn by turn, grown token by token as `agent_loop.run_episodes` grows a
-        text episode (its `_add_turn` appends each turn). What differs: the opening messages and tool results
+        text episode (its `add_turn` appends each turn). What differs: the opening messages and tool results
         become records with image references (`marked_content`), the chat format expands each image into its
         placeholders, the tools are the prompt's own (`Task.episode_tools`), and a generate call takes the
         episodes that show the same images (all of them on the first turn: one call for the group)."""
@@ -136,10 +136,10 @@ class ResidentVLM:
             for batch in _by_images(out, active):
                 turn_sampling = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max(room[i] for i in batch)))
                 samples = self.policy.generate(policy_id, adapter_dir, [out[i].token_ids for i in batch], turn_sampling,
-                                               _turn_seed(sampling.seed, [specs[i].seed for i in batch], turn),
+                                               turn_seed(sampling.seed, [specs[i].seed for i in batch], turn),
                                                images=image_ids_of(out[batch[0]].messages))
                 for i, sample in zip(batch, samples):
-                    calls, budget_hit, length_cut = _add_turn(out[i], sample, room[i], turn, chat, self.policy.eos_ids)
+                    calls, budget_hit, length_cut = add_turn(out[i], sample, room[i], turn, chat, self.policy.eos_ids)
                     if budget_hit:
                         finish(i, "max_tokens", True)
                     elif not calls:
@@ -153,14 +153,9 @@ class ResidentVLM:
                 ep, done = out[i], call_tools(calls, tools, tool_timeout)
                 results = [Message("tool", marked_content(r.content, store), tool_call_id=c.id, name=c.name)
                            for c, r in zip(calls, done)]
-                ids = chat.encode(chat.tool_turn(ep.messages, results))
-                if len(ep.token_ids) + len(ids) + 1 + reserve > max_total_tokens:
+                if not add_tool_results(ep, chat, results, sum(r.error for r in done), max_total_tokens - reserve):
                     finish(i, "max_tokens", True)  # the results do not fit: the episode ends without them
                     continue
-                ep.messages += results
-                ep.extend(ids)
-                ep.num_tool_calls += len(calls)
-                ep.num_tool_errors += sum(r.error for r in done)
                 active.append(i)
         for ep in out:
             ep.image_ids = image_ids_of(ep.messages)

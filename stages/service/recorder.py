@@ -222,7 +222,7 @@ def _with_recorded(chat: ChatFormat, messages: list[Message], reused: dict[int, 
         after = chat.render(messages[: k + 1], False)
         end = difference(before + (turn.message.content or ""), after)
         if turn.token_ids and turn.token_ids[-1] in eos_ids:
-            # The sampled EOS already is the start of the end-of-turn text (as in stages.policy.agent_loop._add_turn).
+            # The sampled EOS already is the start of the end-of-turn text (as in stages.policy.agent_loop.add_turn).
             eos_text = chat.tokenizer.decode(turn.token_ids[-1:], skip_special_tokens=False)
             end = end[len(eos_text):] if end.startswith(eos_text) else end
         ids += chat.encode(end) if end else []
