@@ -160,7 +160,8 @@ def main() -> None:
             per_text = base["seconds"] / base["length"]
             per_image = (row["seconds"] - base["seconds"]) / row["image_tokens"] + per_text
             ratio = f"{per_image / per_text:.2f}x"
-        print(f"{k:>6} {row['image_tokens']:>9} {row['seconds']:>9.2f} {row['peak_mb']:>8.0f} {row['extra_mb']:>6.0f} {ratio:>25}", flush=True)
+        print(f"{k:>6} {row['image_tokens']:>9} {row['seconds']:>9.2f} {row['peak_mb']:>8.0f} {row['extra_mb']:>6.0f} "
+              f"{ratio:>25}", flush=True)
 
 
 if __name__ == "__main__":
