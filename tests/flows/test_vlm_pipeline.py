@@ -26,6 +26,9 @@ from storage.workspace import Workspace
 from tasks.base import Task, load_task
 from tasks.count_shapes import draw_png
 
+# The module's run is set up once, on one xdist worker (--dist loadgroup), not once per worker its tests land on.
+pytestmark = pytest.mark.xdist_group("vlm_pipeline")
+
 
 def _config(vlm_dir: Path, **overrides: Any) -> dict[str, Any]:
     return {

@@ -11,7 +11,8 @@ import pytest
 from storage.workspace import Workspace
 from tests.flows.views.conftest import MARKUP, RUN, XSS, cli, soup
 
-pytestmark = pytest.mark.slow  # the shared run takes a few minutes on 2 cores
+# The shared run takes minutes on 2 cores: one xdist worker sets it up for all three modules (--dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("views_run")]
 
 
 def _scores(ws: Workspace, run: str, name: str) -> dict[str, dict[str, float | None]]:

@@ -13,7 +13,8 @@ from storage.workspace import Workspace
 from tests.flows.conftest import tiny_config
 from tests.flows.views.conftest import RUN, XSS, dump_dom, needs_chromium, soup
 
-pytestmark = pytest.mark.slow  # the shared run takes a few minutes on 2 cores
+# The shared run takes minutes on 2 cores: one xdist worker sets it up for all three modules (--dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("views_run")]
 
 
 # -- MLflow ------------------------------------------------------------------------------------

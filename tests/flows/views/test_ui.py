@@ -16,7 +16,8 @@ from storage.workspace import Workspace
 from tests.flows.views.conftest import RUN, cli, dump_dom, needs_chromium
 from tests.processes import free_port, start_server, stop
 
-pytestmark = pytest.mark.slow  # the shared run takes a few minutes on 2 cores
+# The shared run takes minutes on 2 cores: one xdist worker sets it up for all three modules (--dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("views_run")]
 
 
 def _serve(argv: list[str], env: dict[str, str], port: int, ready_path: str) -> subprocess.Popen:
