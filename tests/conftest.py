@@ -20,7 +20,7 @@ import pytest
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-pytest_plugins = ["tests.netguard"]  # loopback only, and no server outlives the suite
+pytest_plugins = ["tests.netguard", "tests.xdist_groups"]  # loopback only, no server outlives the suite; groups
 # Before any test module imports mlflow: storage.tracking turns MLflow's usage reports off, as it does
 # for rlops itself (stages/cluster.py does the same for Ray's); the guard catches anything else.
 import storage.tracking  # noqa: E402, F401

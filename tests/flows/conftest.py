@@ -37,11 +37,26 @@ def tiny_config(model_dir: Path, name: str = "e2e", steps: int = 2) -> dict[str,
 
 def expected_rows(cfg: dict[str, Any]) -> dict[str, int]:
     """Row counts of an uninterrupted run of `tiny_config`: training batches plus one eval batch
-    per evaluated policy (base, sft, every GRPO step with every=1)."""
+    per evaluated policy (base, sft, every GRPO step with every=1); a reward row per configured reward
+    and one for their weighted total."""
     steps, n, g = cfg["steps"], cfg["rollout"]["prompts_per_step"], cfg["rollout"]["group_size"]
     evaluated = 2 + steps
     rollouts = steps * n * g + evaluated * cfg["eval"]["n_prompts"]
-    return {"rollouts": rollouts, "rewards": rollouts * 3, "checkpoints": 2 + steps}
+    return {"rollouts": rollouts, "rewards": rollouts * (len(cfg["score"]["rewards"]) + 1), "checkpoints": 2 + steps}
+
+
+def row_counts(ws: Any) -> dict[str, int]:
+    """A workspace's rollout, reward and checkpoint rows (the base counted once), and how many are distinct:
+    what `expected_rows` predicts, and what a resumed run must not duplicate."""
+    q = ws.query
+    return {
+        "rollouts": q("SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"],
+        "rewards": q("SELECT count(*) AS n FROM rewards").to_pylist()[0]["n"],
+        "checkpoints": q("SELECT count(*) AS n FROM checkpoints WHERE kind != 'base'").to_pylist()[0]["n"] + 1,
+        "distinct_rollouts": q("SELECT count(DISTINCT rollout_id) AS n FROM rollouts").to_pylist()[0]["n"],
+        "distinct_rewards": q("SELECT count(DISTINCT (rollout_id, reward_name, reward_version)) AS n FROM rewards"
+                              ).to_pylist()[0]["n"],
+    }
 
 
 @pytest.fixture

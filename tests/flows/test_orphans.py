@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.resume import DRIVER_TAG, INTERRUPTED_TAG, RunInProgress, parent_run, this_driver
 from storage.workspace import Workspace
-from tests.flows.conftest import expected_rows, tiny_config
+from tests.flows.conftest import expected_rows, row_counts, tiny_config
 from tests.processes import kill, wait_until
 
 # A driver that starts the temporary server exactly as `rlops run` does (`run_here`), then runs a
@@ -142,7 +142,9 @@ GATED_REWARD = textwrap.dedent("""
 def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_parent(tmp_path, tiny_model_dir):
     """`rlops run` SIGKILLed alone while a stage runs (after the first GRPO checkpoint): its Prefect
     server goes with it; rerunning the command marks that stage's MLflow run KILLED (and a `killed`
-    stage run in the catalog), continues the same parent run, and completes with all the rows."""
+    stage run in the catalog), continues the same parent run, and completes with exactly the rows of an
+    uninterrupted run (none twice), reusing what the killed driver finished; its state stays in the
+    workspace. (The harshest kill of a run: its driver alone, mid-stage, as the OOM killer does.)"""
     ws_dir, steps = tmp_path / "ws", 2
     gate, held = tmp_path / "gate", tmp_path / "held"
     (tmp_path / "gated.py").write_text(GATED_REWARD)
@@ -191,10 +193,15 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
     # every stage run of the resumed driver hangs under the same parent; none is left RUNNING
     assert _running_stage_child(client, parent) is None
     assert {r.data.tags["rlops.stage"] for r in _children(client, parent, "FINISHED")} >= {"rollout", "grpo", "evaluate"}
-    counts = {"rollouts": ws.query("SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"],
-              "checkpoints": ws.query("SELECT count(*) AS n FROM checkpoints WHERE kind != 'base'").to_pylist()[0]["n"] + 1}
+    counts = row_counts(ws)
     expected = expected_rows(cfg)
-    assert counts == {k: expected[k] for k in counts}
+    assert {k: counts[k] for k in expected} == expected
+    assert counts["distinct_rollouts"] == counts["rollouts"] and counts["distinct_rewards"] == counts["rewards"]
+    final = out.stdout.strip().splitlines()[-1]
+    assert ws.catalog.get_checkpoint(final)["step"] == steps  # the last line is the final policy id
+    assert "metric" in out.stdout and "accuracy" in out.stdout  # the base / sft / final table
+    assert ws.query("SELECT count(*) AS n FROM stage_runs WHERE status = 'cached'").to_pylist()[0]["n"] > 0
+    assert (ws_dir / "prefect").is_dir()  # Prefect's state stayed in the workspace
 
 
 def test_resume_refuses_while_the_driver_holding_the_run_is_alive(tmp_path):

@@ -1,35 +1,18 @@
 """The pipeline end to end under Prefect with a tiny model: every stage, every view, MLflow, a report;
-killed and resumed; rescored and retrained without generation."""
+rescored and retrained without generation. (`rlops run` killed and resumed: tests/flows/test_orphans.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import mlflow
-import yaml
 
 from flows import pipeline
 from flows.run_config import from_dict
 from stages.common import StageContext
-from storage.catalog import read_snapshot
 from storage.workspace import Workspace
-from tests.flows.conftest import expected_rows, tiny_config
-from tests.processes import kill, wait_until
-
-
-def _counts(ws: Workspace) -> dict[str, int]:
-    q = ws.query
-    return {
-        "rollouts": q("SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"],
-        "rewards": q("SELECT count(*) AS n FROM rewards").to_pylist()[0]["n"],
-        "checkpoints": q("SELECT count(*) AS n FROM checkpoints WHERE kind != 'base'").to_pylist()[0]["n"] + 1,
-        "distinct_rollouts": q("SELECT count(DISTINCT rollout_id) AS n FROM rollouts").to_pylist()[0]["n"],
-        "distinct_rewards": q("SELECT count(DISTINCT (rollout_id, reward_name, reward_version)) AS n FROM rewards"
-                              ).to_pylist()[0]["n"],
-    }
+from tests.flows.conftest import expected_rows, row_counts, tiny_config
 
 
 def test_flow_runs_every_stage_and_fills_every_view(prefect_harness, tmp_path, tiny_model_dir):
@@ -41,7 +24,7 @@ def test_flow_runs_every_stage_and_fills_every_view(prefect_harness, tmp_path, t
     summary = train_flow(cfg, str(ws_dir))
     ws = Workspace.open(ws_dir)
 
-    counts = _counts(ws)
+    counts = row_counts(ws)
     expected = expected_rows(cfg)
     assert {k: counts[k] for k in expected} == expected
     assert counts["distinct_rollouts"] == counts["rollouts"] and counts["distinct_rewards"] == counts["rewards"]
@@ -74,44 +57,9 @@ def test_flow_runs_every_stage_and_fills_every_view(prefect_harness, tmp_path, t
 
     # a rerun recomputes nothing: every stage is found in the catalog
     again = train_flow(cfg, str(ws_dir))
-    assert again["final"] == summary["final"] and _counts(ws) == counts
+    assert again["final"] == summary["final"] and row_counts(ws) == counts
     statuses = ws.query("SELECT status, count(*) AS n FROM stage_runs GROUP BY 1").to_pylist()
     assert {s["status"] for s in statuses} == {"complete", "cached"}
-
-
-def test_cli_run_killed_midway_resumes_to_the_same_rows(tmp_path, tiny_model_dir, no_prefect_api):
-    """`rlops run` (its own temporary Prefect server, state in the workspace) killed after the first
-    GRPO checkpoint, then run again: it completes with exactly the rows of an uninterrupted run."""
-    ws_dir, steps = tmp_path / "ws", 3
-    cfg = tiny_config(tiny_model_dir, steps=steps)
-    cfg_path = tmp_path / "e2e.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(cfg_path), "--workspace", str(ws_dir)]
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_HOME"}
-    # its own process group: the temporary Prefect server it starts is killed with it
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the flow holds the catalog
-
-    def grpo_checkpoints() -> int:
-        return read_snapshot(snapshot)["kind"].to_pylist().count("grpo") if snapshot.exists() else 0
-
-    wait_until(lambda: grpo_checkpoints() >= 1, proc, "the first GRPO checkpoint (it ended before it could be killed)",
-               timeout=600, every=0.2)
-    kill(proc, group=True)
-    assert grpo_checkpoints() < steps
-
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    ws = Workspace.open(ws_dir)
-    counts = _counts(ws)
-    expected = expected_rows(cfg)
-    assert {k: counts[k] for k in expected} == expected
-    assert counts["distinct_rollouts"] == counts["rollouts"] and counts["distinct_rewards"] == counts["rewards"]
-    final = out.stdout.strip().splitlines()[-1]
-    assert ws.catalog.get_checkpoint(final)["step"] == steps  # the last line is the final policy id
-    assert "metric" in out.stdout and "accuracy" in out.stdout  # the base / sft / final table
-    assert ws.query("SELECT count(*) AS n FROM stage_runs WHERE status = 'cached'").to_pylist()[0]["n"] > 0
-    assert (ws_dir / "prefect").is_dir()  # Prefect's state stayed in the workspace
 
 
 def test_rescore_and_retrain_without_generation(tmp_path, tiny_model_dir):

@@ -1,0 +1,52 @@
+"""How the suite's tests are spread over xdist workers (a pytest plugin, loaded by tests/conftest.py).
+
+1. **Groups that hold.** Tests that read one expensive thing (a cluster, a run) are marked
+   `xdist_group(name)`; with `--dist loadgroup` (pyproject.toml) xdist sends each group to one worker,
+   which makes that thing once. xdist finds a test's group in a `@name` suffix it writes into the node id
+   on the worker (`item._nodeid`); pytest 9.2 keeps node ids in a structured `item._id`, so that write has
+   no effect and every group was silently spread over all workers, each making the shared thing again
+   (pytest-xdist issue 1386; the views' run was made 3 times in one suite run). Here the suffix is
+   written where pytest 9.2 reads it, and a worker whose grouped tests still lack it stops the run
+   with an error instead of going on slowly.
+2. **Slow modules first.** xdist hands out groups (largest first), then single tests in collection
+   order, to whichever worker is free. On a worker under `-n`, modules holding a test marked `slow` are
+   collected ahead of the rest (each module's tests keep their order, so its fixtures are shared as
+   before): the long tests start early and the short ones fill the end, instead of a long test starting
+   last while the other workers idle (longest-first scheduling). Without `-n` the order is pytest's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _group(item: pytest.Item) -> str | None:
+    """The item's xdist group, as xdist names it (several marks: their names sorted, joined by `_`)."""
+    names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+    return "_".join(sorted(names)) if names else None
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own suffixing, which this repeats where it had no effect
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):
+        return  # not an xdist worker: pytest's own order, nothing is sent anywhere
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)  # stable
+    if not config.getvalue("loadgroup"):
+        return
+    for item in items:
+        group = _group(item)
+        if group is None or item.nodeid.endswith(f"@{group}"):
+            continue
+        if hasattr(item, "_id"):  # pytest >= 9.2: the structured node id
+            from _pytest.nodeid import NodeId
+
+            # The parameters folded into the last name: rebuilt from its fields (as reports are), the id
+            # reads `name[params]@group`, which is where xdist's scheduler looks for the group.
+            old = item._id
+            last = old.names[-1] + (f"[{old.params}]" if old.params is not None else "") + f"@{group}"
+            item._id = NodeId(path=old.path, names=(*old.names[:-1], last))
+    lost = [item.nodeid for item in items if _group(item) and not item.nodeid.endswith(f"@{_group(item)}")]
+    if lost:
+        raise pytest.UsageError(f"--dist loadgroup: {len(lost)} grouped tests carry no group in their node id "
+                                f"(e.g. {lost[0]}), so xdist would spread them over workers; see tests/xdist_groups.py")
