@@ -84,7 +84,8 @@ def _load_text(base_model: str, adapter_dir: str | None, config: DPOConfig) -> t
     from stages.policy.model import resolve_model
     from stages.update.train import _load_trainable
 
-    return _load_trainable(base_model, adapter_dir, config.lora), AutoTokenizer.from_pretrained(resolve_model(base_model))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(base_model))
+    return _load_trainable(base_model, adapter_dir, config.lora), tokenizer
 
 
 def _load_visual(ctx: StageContext, base_model: str, adapter_dir: str | None, config: DPOConfig,

@@ -6,8 +6,9 @@ The data is JSONL or Parquet with a `messages` column in OpenAI chat shape (an o
 column is ignored: our tasks teach tools in the system prompt and write calls as
 `<tool_call>{...}</tool_call>` text, which is what the model must learn to emit). For a vision-language
 base model, user, system and tool contents may hold `image_url` parts with base64 data URLs: that model
-trains with pixel inputs in the project's own loop (stages/update/visual_sft.py, which says why not TRL's). The loss covers
-assistant tokens only, including each assistant turn's end-of-turn token so the model learns to stop.
+trains with pixel inputs in the project's own loop (stages/update/visual_sft.py, which says why not TRL's).
+The loss covers assistant tokens only, including each assistant turn's end-of-turn token so the model
+learns to stop.
 The artifact id covers the base model, the data file's content hash and the config, so editing the
 data retrains and rerunning with the same inputs is a cache hit.
 

@@ -192,7 +192,8 @@ def _visual_demonstrations() -> list[list[dict[str, Any]]]:
     return out
 
 
-def test_sft_of_a_vlm_trains_on_its_demonstrations_with_pixels(tmp_path: Path, tiny_vlm_dir: Path) -> None:
+def test_sft_of_a_vlm_trains_on_its_demonstrations_with_pixels(tmp_path: Path, tiny_vlm_dir: Path,
+                                                                tiny_model_dir: Path) -> None:
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -236,3 +237,7 @@ def test_sft_of_a_vlm_trains_on_its_demonstrations_with_pixels(tmp_path: Path, t
         demonstration_sample(policy, [demos[0][0], {"role": "assistant", "content": demos[0][0]["content"]}], 1024)
     with pytest.raises(ValueError, match="image tokens reach past max_length"):
         demonstration_sample(policy, demos[0], 4)
+    # The same demonstrations for a text model: refused by name before training, and no checkpoint.
+    with pytest.raises(ValueError, match="is text-only and cannot take image_url content parts"):
+        run(config, StageContext(ws, run_name="text-sft"), base_model=str(tiny_model_dir), data=str(data))
+    assert ws.query("SELECT count(*) AS n FROM checkpoints WHERE kind = 'sft'").to_pylist() == [{"n": 1}]
