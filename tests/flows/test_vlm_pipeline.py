@@ -137,6 +137,13 @@ def test_a_dpo_step_from_the_stored_visual_rows_trains_the_language_lora(run, ti
     batch = MaskedPreferenceCollator(policy.pad_id, vision)([pair.as_example()])
     assert batch["pixel_values"].shape[0] == 2 and batch["input_ids"].shape[0] == 2
     assert torch.equal(batch["pixel_values"][1:], vision[pair.rejected_id].tensors["pixel_values"])
+    # lora.projector: another checkpoint (the field is in its identity), whose projector LoRA trained too.
+    projector = config.model_copy(update={"lora": config.lora.model_copy(update={"projector": True})})
+    other = dpo.run(projector, StageContext(ws, run_name="vlm-dpo"), result.base, result.batches, RewardRef("chars"))
+    assert other.id != ref.id
+    weights = load_file(str(Path(ws.catalog.get_checkpoint(other.id)["adapter_uri"]) / "adapter_model.safetensors"))
+    assert not any("vision_model" in k for k in weights)
+    assert any(v.abs().max() > 0 for k, v in weights.items() if "connector" in k and "lora_B" in k)
 
 
 def test_what_a_vlm_does_not_support_yet_is_a_config_problem_naming_it(tiny_vlm_dir):
