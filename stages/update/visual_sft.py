@@ -102,10 +102,10 @@ def train_visual_sft(model: Any, train: list[Sample], held_out: list[Sample], co
     train_seconds, steps."""
     import torch
 
+    steps = _step_indices(len(train), config)
     metrics: dict[str, float] = {"n_train": len(train), "n_eval": len(held_out)}
     if held_out:
         metrics["eval_loss_before"] = demonstration_loss(model, held_out, config.batch_size)
-    steps = _step_indices(len(train), config)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / len(steps))  # linear to 0, as TRL
@@ -134,6 +134,8 @@ def train_visual_sft(model: Any, train: list[Sample], held_out: list[Sample], co
 def _step_indices(n: int, config: SFTConfig) -> list[list[int]]:
     """The demonstrations of each optimizer step: every epoch a fresh shuffle (from `config.seed`), cut into
     steps of batch_size x grad_accum (the last of an epoch may be smaller); `max_steps` or `epochs` of them."""
+    if n == 0:
+        raise ValueError("no demonstrations to train on (after holding out eval_fraction)")
     per_step = config.batch_size * config.grad_accum
     per_epoch = math.ceil(n / per_step)
     total = config.max_steps or math.ceil(config.epochs * per_epoch)
