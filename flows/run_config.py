@@ -153,7 +153,8 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
 def vision_language_problems(cfg: RunConfig, task: Task | None) -> list[str]:
     """What the run asks of a vision-language base model that the VLM path does not support yet
     (stages.policy.vlm_episodes.unsupported_with_vlm), one `base_model: ...` line each; for a text model, a
-    task that shows images and a `lora.projector` asked for. `task`: the run's task (None: it did not load, a problem reported already)."""
+    task that shows images and a `lora.projector` asked for. `task`: the run's task (None: it did not load, a
+    problem reported already)."""
     from stages.policy.vlm import is_vision_language_model
     from stages.policy.vlm_episodes import task_policy_problem, unsupported_with_vlm
 
