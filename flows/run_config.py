@@ -153,18 +153,20 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
 def vision_language_problems(cfg: RunConfig, task: Task | None) -> list[str]:
     """What the run asks of a vision-language base model that the VLM path does not support yet
     (stages.policy.vlm_episodes.unsupported_with_vlm), one `base_model: ...` line each; for a text model, a
-    task that shows images. `task`: the run's task (None: it did not load, a problem reported already)."""
+    task that shows images and a `lora.projector` asked for. `task`: the run's task (None: it did not load, a
+    problem reported already)."""
     from stages.policy.vlm import is_vision_language_model
     from stages.policy.vlm_episodes import task_policy_problem, unsupported_with_vlm
 
     if not is_vision_language_model(cfg.base_model):
         problem = task_policy_problem(task, False) if task is not None else None
-        return [f"base_model: {problem}"] if problem else []
+        sections = [("sft", cfg.sft)] * (cfg.sft is not None) + [(cfg.algorithm, getattr(cfg, cfg.algorithm))]
+        return [f"base_model: {problem}"] * bool(problem) + [
+            f"{name}.lora.projector: the base model {cfg.base_model} is text-only; a projector LoRA needs a "
+            "vision-language model" for name, section in sections if section.lora.projector]
     found = unsupported_with_vlm(
         backend=cfg.rollout.backend, rollout_workers=cfg.rollout.workers, task=task, update=cfg.algorithm,
         update_workers=getattr(getattr(cfg, cfg.algorithm), "workers", 1), max_staleness=cfg.max_staleness)
-    if cfg.sft is not None:
-        found += unsupported_with_vlm(update="sft")
     return [f"base_model: {cfg.base_model} is a vision-language model; not supported with it yet: {p}" for p in found]
 
 

@@ -4,10 +4,11 @@
 
 It reads as grpo.py does: read (the scored rows -> preference pairs per group, stages/update/pairs.py) ->
 train (TRL's DPOTrainer on the rollouts' exact tokens and loss masks, the parent policy as reference,
-stages/update/dpo.py) -> save (the shared checkpoint writer: kind `dpo`, lineage = parent, batches,
-reward name@version). It takes the same arguments as the grpo stage, so it serves offline (every stored
-batch of a run at once) and as a pipeline step's update (`algorithm: dpo`, online DPO: each step's
-reference is the policy that sampled the step's rollouts).
+stages/update/dpo.py; a vision-language policy's pairs with their pixel inputs rebuilt from the image store)
+-> save (the shared checkpoint writer: kind `dpo`, lineage = parent, batches, reward name@version). It takes
+the same arguments as the grpo stage, so it serves offline (every stored batch of a run at once) and as a
+pipeline step's update (`algorithm: dpo`, online DPO: each step's reference is the policy that sampled the
+step's rollouts).
 
 torch, transformers, trl and peft are imported inside functions: importing this module is cheap.
 """
@@ -17,15 +18,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from stages.checkpoints import write_update
 from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage, vision_language_base
-from stages.policy.vlm_episodes import refuse_unsupported, unsupported_with_vlm
+from stages.policy.vlm_episodes import load_vlm_for_update
 from stages.reward_ref import RewardRef
-from stages.update.data import read_scored
+from stages.update.data import pixel_inputs, read_scored
 from stages.update.dpo import DPOConfig, pair_tokens, train_dpo
-from stages.update.pairs import preference_pairs
+from stages.update.pairs import PreferencePair, preference_pairs
 from storage.checkpoints import local_copy
+from storage.images import ImageStore
 
 
 def run(config: DPOConfig, ctx: StageContext, parent_policy: str, batches: list[str], reward: RewardRef) -> ArtifactRef:
@@ -39,22 +42,18 @@ def run(config: DPOConfig, ctx: StageContext, parent_policy: str, batches: list[
     batches = sorted(set(batches))
     reward = reward.resolve(ctx.ws, batches)
     visual = vision_language_base(ctx.ws, parent_policy)
-    if visual:
-        refuse_unsupported(visual, unsupported_with_vlm(update="dpo"))
 
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
-        from transformers import AutoTokenizer
-
-        from stages.policy.model import resolve_model
-        from stages.update.train import _load_trainable
-
         ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": str(reward)})
-        pairs, metrics = preference_pairs(read_scored(ctx.ws, batches, reward), config.pairing, config.min_margin)
+        rows = read_scored(ctx.ws, batches, reward, images=bool(visual))
+        pairs, metrics = preference_pairs(rows, config.pairing, config.min_margin)
         base_model, adapter_uri = resolve_policy(ctx.ws, parent_policy)
-        model = _load_trainable(base_model, local_copy(adapter_uri), config.lora)
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(base_model))
+        if visual:
+            model, tokenizer, vision = _load_visual(ctx, base_model, local_copy(adapter_uri), config, rows, pairs)
+        else:
+            model, tokenizer, vision = *_load_text(base_model, local_copy(adapter_uri), config), None
         start = time.perf_counter()
-        history = train_dpo(model, tokenizer, pairs, config) if pairs else []
+        history = train_dpo(model, tokenizer, pairs, config, vision) if pairs else []
         seconds = time.perf_counter() - start
         for i, row in enumerate(history):
             ctx.ws.tracker.log_metrics(mlflow_run_id, {f"train/{k}": v for k, v in row.items()}, step=i)
@@ -76,3 +75,25 @@ def run(config: DPOConfig, ctx: StageContext, parent_policy: str, batches: list[
 
     return run_stage(ctx, "dpo", "checkpoint", inputs=[parent_policy, *batches], config=config, body=body,
                      version=str(reward), meta={"reward": str(reward)})
+
+
+def _load_text(base_model: str, adapter_dir: str | None, config: DPOConfig) -> tuple[Any, Any]:
+    """A text policy to train (the parent's adapter, or a fresh `config.lora`) and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from stages.policy.model import resolve_model
+    from stages.update.train import _load_trainable
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(base_model))
+    return _load_trainable(base_model, adapter_dir, config.lora), tokenizer
+
+
+def _load_visual(ctx: StageContext, base_model: str, adapter_dir: str | None, config: DPOConfig,
+                 rows: list[dict[str, Any]], pairs: list[PreferencePair]) -> tuple[Any, Any, dict[str, Any]]:
+    """A vision-language policy to train (`load_vlm_for_update`), its tokenizer, and the pixel inputs of every
+    paired rollout by id, rebuilt from the image store before any training (`pixel_inputs`: ValueError when a
+    row was recorded with another processor)."""
+    policy = load_vlm_for_update(base_model, adapter_dir, config.lora, ImageStore(ctx.ws.settings.images_dir))
+    rebuild, by_id = pixel_inputs(policy), {r["rollout_id"]: r for r in rows}
+    vision = {i: rebuild(by_id[i]) for p in pairs for i in (p.chosen_id, p.rejected_id)}
+    return policy.model, policy.processor.tokenizer, vision

@@ -4,8 +4,11 @@
 
 The data is JSONL or Parquet with a `messages` column in OpenAI chat shape (an optional `tools`
 column is ignored: our tasks teach tools in the system prompt and write calls as
-`<tool_call>{...}</tool_call>` text, which is what the model must learn to emit). The loss covers
-assistant tokens only, including each assistant turn's end-of-turn token so the model learns to stop.
+`<tool_call>{...}</tool_call>` text, which is what the model must learn to emit). For a vision-language
+base model, user, system and tool contents may hold `image_url` parts with base64 data URLs: that model
+trains with pixel inputs in the project's own loop (stages/update/visual_sft.py, which says why not TRL's).
+The loss covers assistant tokens only, including each assistant turn's end-of-turn token so the model
+learns to stop.
 The artifact id covers the base model, the data file's content hash and the config, so editing the
 data retrains and rerunning with the same inputs is a cache hit.
 
@@ -20,7 +23,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,8 +31,7 @@ from stages.checkpoints import Checkpoint, write_checkpoint
 from stages.common import ArtifactRef, StageContext, base_policy, identity, run_stage
 from stages.policy.lora import LoRASettings
 from stages.policy.model import resolve_model
-from stages.policy.vlm import is_vision_language_model
-from stages.policy.vlm_episodes import refuse_unsupported, unsupported_with_vlm
+from stages.policy.vlm import is_vision_language_model, text_content
 from storage.ids import config_hash
 
 VERSION = "1"  # bump when training changes for the same config (template, masking, saving)
@@ -78,8 +80,9 @@ def file_hash(path: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
-    """The `messages` of each row of a JSONL or Parquet file, reduced to {role, content}.
+def load_conversations(path: str | Path) -> list[list[dict[str, Any]]]:
+    """The `messages` of each row of a JSONL or Parquet file, reduced to {role, content} (a string, or a list
+    of OpenAI content parts as given).
 
     An assistant message with empty content and OpenAI `tool_calls` gets the calls written as
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` text, the format the tasks parse.
@@ -188,43 +191,21 @@ def run(config: SFTConfig, ctx: StageContext, base_model: str, data: str) -> Art
     (kind "sft", parent: the base policy) whose id is the returned artifact id. Cached per
     (base model, data content, config)."""
     ws = ctx.ws
-    if is_vision_language_model(base_model):
-        refuse_unsupported(base_model, unsupported_with_vlm(update="sft"))
+    visual = is_vision_language_model(base_model)
     parent_id = base_policy(ws, base_model)
     data_path = str(Path(data).resolve())
     data_hash = file_hash(data_path)
 
     def body(policy_id: str, run_id: str) -> dict[str, float]:
-        from transformers import AutoTokenizer, TrainerCallback
-
-        class LogToTracker(TrainerCallback):
-            def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
-                ws.tracker.log_metrics(run_id, logs or {}, step=state.global_step)
-
         conversations = load_conversations(data_path)
         random.Random(config.seed).shuffle(conversations)
         n = len(conversations)
         n_eval = max(1, round(n * config.eval_fraction)) if config.eval_fraction > 0 and n > 1 else 0
         held_out, train = conversations[:n_eval], conversations[n_eval:]
         model_path = resolve_model(base_model)
-
-        with tempfile.TemporaryDirectory() as trainer_dir:
-            trainer = build_trainer(config, model_path, train, held_out, trainer_dir, [LogToTracker()])
-            metrics: dict[str, float] = {"n_train": len(train), "n_eval": len(held_out)}
-            if held_out:  # a fresh LoRA adapter is a no-op (B = 0), so this is the base model's loss
-                metrics["eval_loss_before"] = trainer.evaluate()["eval_loss"]
-            start = time.perf_counter()
-            metrics["train_loss"] = trainer.train().training_loss
-            metrics["train_seconds"] = time.perf_counter() - start
-            metrics["steps"] = trainer.state.global_step
-            if held_out:
-                metrics["eval_loss_after"] = trainer.evaluate()["eval_loss"]
-
-        def save(folder: Path) -> None:
-            trainer.model.save_pretrained(folder, safe_serialization=True)
-            # The base model's own tokenizer, not the trainer's: the training template only adds mask markers.
-            AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
-
+        log = lambda step, row: ws.tracker.log_metrics(run_id, row, step=step)  # noqa: E731
+        trainer = _train_visual if visual else _train_text
+        metrics, save = trainer(config, ctx, model_path, train, held_out, log)
         write_checkpoint(ctx, Checkpoint(policy_id, parent_id=parent_id, base_model=base_model, kind="sft", step=0,
                                          config_hash=config_hash(identity(config)), mlflow_run_id=run_id,
                                          trained_on={"data": data_path, "data_hash": data_hash}), save=save)
@@ -232,3 +213,58 @@ def run(config: SFTConfig, ctx: StageContext, base_model: str, data: str) -> Art
 
     return run_stage(ctx, "sft", "checkpoint", inputs=[parent_id, f"data:{data_hash}"], config=config, body=body,
                      version=VERSION)
+
+
+def _train_text(config: SFTConfig, ctx: StageContext, model_path: str, train: list[list[dict[str, Any]]],
+                held_out: list[list[dict[str, Any]]], log: Callable[[int, dict[str, Any]], None]
+                ) -> tuple[dict[str, float], Callable[[Path], None]]:
+    """SFT of a text base model with TRL (`build_trainer`); returns the metrics and the checkpoint's writer.
+    Content parts are joined to their text; an image part is a ValueError naming the model, before training."""
+    from transformers import AutoTokenizer, TrainerCallback
+
+    class LogToTracker(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+            log(state.global_step, logs or {})
+
+    train, held_out = ([[{**m, "content": text_content(m["content"], model_path)} for m in c] for c in part]
+                       for part in (train, held_out))
+    with tempfile.TemporaryDirectory() as trainer_dir:
+        trainer = build_trainer(config, model_path, train, held_out, trainer_dir, [LogToTracker()])
+        metrics: dict[str, float] = {"n_train": len(train), "n_eval": len(held_out)}
+        if held_out:  # a fresh LoRA adapter is a no-op (B = 0), so this is the base model's loss
+            metrics["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+        start = time.perf_counter()
+        metrics["train_loss"] = trainer.train().training_loss
+        metrics["train_seconds"] = time.perf_counter() - start
+        metrics["steps"] = trainer.state.global_step
+        if held_out:
+            metrics["eval_loss_after"] = trainer.evaluate()["eval_loss"]
+
+    def save(folder: Path) -> None:
+        trainer.model.save_pretrained(folder, safe_serialization=True)
+        # The base model's own tokenizer, not the trainer's: the training template only adds mask markers.
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+
+    return metrics, save
+
+
+def _train_visual(config: SFTConfig, ctx: StageContext, model_path: str, train: list[list[dict[str, Any]]],
+                  held_out: list[list[dict[str, Any]]], log: Callable[[int, dict[str, Any]], None]
+                  ) -> tuple[dict[str, float], Callable[[Path], None]]:
+    """SFT of a vision-language base model (stages/update/visual_sft.py: why not TRL's SFTTrainer): a fresh
+    `config.lora` on its language model (and projector, `lora.projector`), every demonstration tokenised and its
+    images stored and checked before training; returns the metrics and the checkpoint's writer."""
+    from stages.policy.vlm import VLMPolicy, add_vlm_lora
+    from stages.update.visual_sft import demonstration_sample, train_visual_sft
+    from storage.images import ImageStore
+
+    base = VLMPolicy.load(model_path, ImageStore(ctx.ws.settings.images_dir))
+    policy = VLMPolicy(add_vlm_lora(base.model, config.lora, seed=config.seed), base.processor, base.store)
+    samples = [[demonstration_sample(policy, c, config.max_length) for c in part] for part in (train, held_out)]
+    metrics = train_visual_sft(policy.model, samples[0], samples[1], config, log)
+
+    def save(folder: Path) -> None:
+        policy.model.save_pretrained(folder, safe_serialization=True)
+        policy.processor.save_pretrained(folder)  # as the text SFT saves its tokenizer: the base's, unchanged
+
+    return metrics, save

@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from stages.common import Added
+
 LORA_SEED = 0  # a fresh adapter's initial weights depend only on this: same inputs, same checkpoint
 
 
@@ -24,10 +26,17 @@ class LoRASettings(BaseModel):
     # (light regularisation on small demonstration sets).
     dropout: float = 0.0
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]  # attention only: small, the usual choice
+    # A vision-language model only: also a LoRA (same r and alpha) on the linear layers of the projector that maps
+    # image features into the language model (Idefics3's `connector`), never on the vision tower. Off by default,
+    # as in verl's and TRL's VLM LoRA: the projector is small and pretrained with the tower it reads.
+    projector: bool = Added(False)
 
     def peft_config(self) -> Any:
-        """The peft `LoraConfig` for a causal LM."""
+        """The peft `LoraConfig` for a causal LM (ValueError with `projector`: a text model has none)."""
         from peft import LoraConfig
+
+        if self.projector:
+            raise ValueError("lora.projector needs a vision-language base model: a text model has no projector")
 
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=list(self.target_modules), task_type="CAUSAL_LM")

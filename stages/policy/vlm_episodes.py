@@ -4,7 +4,7 @@
     vlm = ResidentVLM(base_model, ImageStore(ws.settings.images_dir))   # loaded once per rollout worker
     episodes = vlm.episodes(policy_id, adapter_dir, task, specs, group_size=8, sampling=s, max_total_tokens=2048,
                             tool_timeout=10.0)
-    policy = load_vlm_for_update(base_model, adapter_dir, lora, store)   # the grpo stage's trainable VLM
+    policy = load_vlm_for_update(base_model, adapter_dir, lora, store)   # the grpo/dpo stages' trainable VLM
 
 A visual episode runs as a text episode does (stages/policy/agent_loop.py), turn by turn, recorded token-exact:
 the prompt with its image placeholder tokens (loss_mask 0), each sampled turn with its behaviour log-probs
@@ -39,8 +39,9 @@ from storage.schema import Message
 if TYPE_CHECKING:
     from tasks.base import Task
 
-# Updates whose losses have no pixel inputs yet (the grpo stage's rloo and reinforce_pp presets do).
-UPDATES_WITHOUT_PIXELS = ("sft", "dpo", "ppo")
+# Updates whose losses have no pixel inputs yet (grpo with its rloo and reinforce_pp presets, dpo and sft do).
+# PPO's critic is a text value model (stages/update/ppo.py): it would score a visual episode without its images.
+UPDATES_WITHOUT_PIXELS = ("ppo",)
 
 
 def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, task: Task | None = None,
@@ -56,7 +57,7 @@ def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, task:
         problems.append(f"task {task.name!r} (an external agent's episodes in the rollout stage; "
                         "`rlops serve` serves a VLM to agents)")
     if update in UPDATES_WITHOUT_PIXELS:
-        problems.append(f"{update} (its loss has no pixel inputs; grpo, rloo and reinforce_pp train a VLM)")
+        problems.append(f"{update} (its loss has no pixel inputs; grpo, rloo, reinforce_pp, dpo and sft train a VLM)")
     if update_workers > 1:
         problems.append(f"{update}.workers {update_workers} (Ray Train workers; use 1)")
     if max_staleness > 0:

@@ -13,6 +13,11 @@ What TRL does and what rlops adds (TRL 1.16):
   passes the rollouts' own tokens (`_TokenDPOTrainer` skips the re-tokenizing preparation) and applies their
   loss masks (`MaskedPreferenceCollator`): TRL builds labels from `completion_mask`, so a tool token has
   label -100 and its log-prob is 0 in both the policy's and the reference's sums.
+- A vision-language policy's pairs carry pixel inputs: the collator adds each sequence's image tensors, rebuilt
+  from the workspace's image store as GRPO rebuilds them (`stages.update.data.pixel_inputs`), and TRL passes
+  them to both forward passes (its fused LM head runs the multimodal body). Image placeholder tokens are prompt
+  tokens (mask 0), so they are never in the loss. Unlike GRPO's scoring, no token is suppressed here: DPO
+  compares the policy with its reference under the same full distribution, with no behaviour log-probs.
 
 torch, transformers, trl and peft are imported inside functions: importing this module is cheap.
 """
@@ -20,6 +25,7 @@ torch, transformers, trl and peft are imported inside functions: importing this 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -58,12 +64,15 @@ class DPOConfig(BaseModel):
 
 class MaskedPreferenceCollator:
     """TRL's `DataCollatorForPreference` (padding, chosen rows then rejected rows), with `completion_mask`
-    taken from the rollouts' loss masks instead of "every completion token"."""
+    taken from the rollouts' loss masks instead of "every completion token". `vision` (a vision-language
+    policy's pairs): each rollout's pixel inputs by rollout id (`stages.policy.vlm.VisionInputs`), stacked in
+    the rows' order, so TRL's forward passes (the policy's and the reference's) see each sequence's images."""
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, vision: Mapping[str, Any] | None = None):
         from trl.trainer.dpo_trainer import DataCollatorForPreference
 
         self.inner = DataCollatorForPreference(pad_token_id=pad_token_id)
+        self.vision = vision
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
@@ -75,6 +84,11 @@ class MaskedPreferenceCollator:
         for i, row in enumerate(rows):
             mask[i, : len(row)] = torch.tensor(row, dtype=mask.dtype)
         out["completion_mask"] = mask
+        if self.vision is not None:
+            from stages.policy.vlm import VisionInputs
+
+            ids = [e["chosen_id"] for e in examples] + [e["rejected_id"] for e in examples]
+            out |= VisionInputs.stack([self.vision[i] for i in ids]).tensors  # (2B, n_images, ...)
         return out
 
 
@@ -90,8 +104,10 @@ def _trainer_class() -> type:
     return _TokenDPOTrainer
 
 
-def trainer_for(model: Any, tokenizer: Any, pairs: list[PreferencePair], config: DPOConfig, output_dir: str) -> Any:
-    """The TRL trainer of one DPO update (built, not run): tests read its loss; `train_dpo` runs it."""
+def trainer_for(model: Any, tokenizer: Any, pairs: list[PreferencePair], config: DPOConfig, output_dir: str,
+                vision: Mapping[str, Any] | None = None) -> Any:
+    """The TRL trainer of one DPO update (built, not run): tests read its loss; `train_dpo` runs it. `vision`: as
+    `MaskedPreferenceCollator` takes it."""
     import torch
     from datasets import Dataset
     from transformers import PrinterCallback
@@ -110,19 +126,21 @@ def trainer_for(model: Any, tokenizer: Any, pairs: list[PreferencePair], config:
     )
     trainer = _trainer_class()(model=model, args=args, processing_class=tokenizer,
                                train_dataset=Dataset.from_list([p.as_example() for p in pairs]),
-                               data_collator=MaskedPreferenceCollator(tokenizer.pad_token_id))
+                               data_collator=MaskedPreferenceCollator(tokenizer.pad_token_id, vision))
     # disable_tqdm makes the Trainer print every log dict to stdout, where `rlops stage` prints the id
     # (the stage logs the same rows to MLflow)
     trainer.remove_callback(PrinterCallback)
     return trainer
 
 
-def train_dpo(model: Any, tokenizer: Any, pairs: list[PreferencePair], config: DPOConfig) -> list[dict[str, float]]:
+def train_dpo(model: Any, tokenizer: Any, pairs: list[PreferencePair], config: DPOConfig,
+              vision: Mapping[str, Any] | None = None) -> list[dict[str, float]]:
     """Train `model`'s "default" adapter on `pairs` with TRL (the reference: a frozen copy of the adapter it
     starts from); returns TRL's log rows (loss, rewards/accuracies, rewards/margins, ...), one per step.
-    The "ref" adapter TRL added is removed again, so `model` saves as before."""
+    The "ref" adapter TRL added is removed again, so `model` saves as before. `vision`: each paired rollout's
+    pixel inputs, for a vision-language model (`MaskedPreferenceCollator`)."""
     with tempfile.TemporaryDirectory(prefix="rlops-dpo-") as out:
-        trainer = trainer_for(model, tokenizer, pairs, config, out)
+        trainer = trainer_for(model, tokenizer, pairs, config, out, vision)
         trainer.train()
         history = [{k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
                    for row in trainer.state.log_history if "loss" in row]

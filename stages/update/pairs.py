@@ -36,10 +36,12 @@ class PreferencePair:
     rejected_ids: list[int]
     rejected_mask: list[int]
 
-    def as_example(self) -> dict[str, list[int]]:
-        """The row TRL's preference collator reads (plus the masks, which `MaskedPreferenceCollator` applies)."""
+    def as_example(self) -> dict[str, Any]:
+        """The row TRL's preference collator reads (plus the masks, which `MaskedPreferenceCollator` applies, and
+        the rollout ids, by which it finds a vision-language pair's pixel inputs)."""
         return {"prompt_ids": self.prompt_ids, "chosen_ids": self.chosen_ids, "rejected_ids": self.rejected_ids,
-                "chosen_mask": self.chosen_mask, "rejected_mask": self.rejected_mask}
+                "chosen_mask": self.chosen_mask, "rejected_mask": self.rejected_mask,
+                "chosen_id": self.chosen_id, "rejected_id": self.rejected_id}
 
 
 def pair_indices(values: list[float], pairing: Pairing, min_margin: float) -> list[tuple[int, int]]:

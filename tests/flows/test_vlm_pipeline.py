@@ -6,6 +6,8 @@ refused before compute."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +17,11 @@ from safetensors.torch import load_file
 
 from flows import pipeline
 from flows.run_config import from_dict, vision_language_problems
-from stages import evaluate, rollout, sft
+from stages import evaluate, ppo, rollout
 from stages.common import StageContext, base_policy
 from stages.policy.vlm import VisualSample, VLMPolicy, processor_fingerprint
 from stages.policy.vlm_episodes import task_policy_problem
-from stages.sft import SFTConfig
+from stages.reward_ref import RewardRef
 from storage.images import ImageStore
 from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
@@ -109,13 +111,54 @@ def test_a_rerun_reuses_every_stage(run):
     assert runs[-1]["status"] == "cached" and {r["status"] for r in runs} == {"complete", "cached"}
 
 
+def test_a_dpo_step_from_the_stored_visual_rows_trains_the_language_lora(run, tiny_vlm_dir):
+    from stages import dpo
+    from stages.update.data import pixel_inputs, read_scored
+    from stages.update.dpo import DPOConfig, MaskedPreferenceCollator
+    from stages.update.pairs import preference_pairs
+
+    ws, result, _ = run
+    config = DPOConfig(lr=1e-2, pairs_per_step=2, micro_batch_size=2, lora={"r": 4, "alpha": 8})
+    ref = dpo.run(config, StageContext(ws, run_name="vlm-dpo"), result.base, result.batches, RewardRef("chars"))
+    row = ws.catalog.get_checkpoint(ref.id)
+    assert row["kind"] == "dpo" and row["parent_id"] == result.base and row["trained_on"]["batches"] == result.batches
+    state = json.loads((Path(row["adapter_uri"]) / "trainer_state.json").read_text())
+    assert state["pairs"] and state["history"]
+    assert state["history"][0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference on the first pass
+    weights = load_file(str(Path(row["adapter_uri"]) / "adapter_model.safetensors"))
+    assert weights and all("text_model" in k for k in weights)  # the language model only
+    assert any(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k)  # B starts at 0: it trained
+    # What the forward passes get: each row's pixels, chosen rows then rejected rows, rebuilt from the store.
+    policy = VLMPolicy.load(tiny_vlm_dir, ImageStore(ws.settings.images_dir))
+    rows = read_scored(ws, result.batches, RewardRef.parse(row["trained_on"]["reward"]), images=True)
+    [pair, *_] = preference_pairs(rows)[0]
+    by_id, rebuild = {r["rollout_id"]: r for r in rows}, pixel_inputs(policy)
+    vision = {i: rebuild(by_id[i]) for i in (pair.chosen_id, pair.rejected_id)}
+    batch = MaskedPreferenceCollator(policy.pad_id, vision)([pair.as_example()])
+    assert batch["pixel_values"].shape[0] == 2 and batch["input_ids"].shape[0] == 2
+    assert torch.equal(batch["pixel_values"][1:], vision[pair.rejected_id].tensors["pixel_values"])
+    # lora.projector: another checkpoint (the field is in its identity), whose projector LoRA trained too.
+    projector = config.model_copy(update={"lora": config.lora.model_copy(update={"projector": True})})
+    other = dpo.run(projector, StageContext(ws, run_name="vlm-dpo"), result.base, result.batches, RewardRef("chars"))
+    assert other.id != ref.id
+    weights = load_file(str(Path(ws.catalog.get_checkpoint(other.id)["adapter_uri"]) / "adapter_model.safetensors"))
+    assert not any("vision_model" in k for k in weights)
+    assert any(v.abs().max() > 0 for k, v in weights.items() if "connector" in k and "lora_B" in k)
+
+
 def test_what_a_vlm_does_not_support_yet_is_a_config_problem_naming_it(tiny_vlm_dir):
-    cfg = from_dict(_config(tiny_vlm_dir, algorithm="dpo", max_staleness=1, rollout={"backend": "vllm", "workers": 2},
-                            sft={"data": "oracle"}))
+    cfg = from_dict(_config(tiny_vlm_dir, algorithm="ppo", max_staleness=1, rollout={"backend": "vllm", "workers": 2},
+                            grpo={}))
     problems = "\n".join(vision_language_problems(cfg, load_task(**cfg.task.model_dump())))
-    for named in ("rollout.backend 'vllm'", "rollout.workers 2", "dpo (its loss has no pixel inputs", "max_staleness 1",
-                  "sft (its loss"):
+    for named in ("rollout.backend 'vllm'", "rollout.workers 2", "ppo (its loss has no pixel inputs", "max_staleness 1"):
         assert named in problems
+    # SFT and DPO train a VLM with pixels (and its projector's LoRA); a text model has no projector.
+    both = from_dict(_config(tiny_vlm_dir, algorithm="dpo", sft={"data": "oracle", "lora": {"projector": True}}, grpo={}))
+    assert vision_language_problems(both, load_task(**both.task.model_dump())) == []
+    text = from_dict(_config(tiny_vlm_dir, base_model="/no/such/text-model", task={"name": "doc_search"},
+                             grpo={"lora": {"projector": True}}))
+    assert vision_language_problems(text, None) == [
+        "grpo.lora.projector: the base model /no/such/text-model is text-only; a projector LoRA needs a vision-language model"]
     # Multi-turn tasks with tools (the zoom variant), text tasks, top_p and stop strings run.
     for task in ({"name": "count_shapes", "params": {"zoom_turns": 2, "n_train": 8, "n_test": 4}}, {"name": "doc_search"}):
         good = from_dict(_config(tiny_vlm_dir, task=task, rollout={"top_p": 0.9, "stop": ["</tool_call>"]}))
@@ -142,8 +185,8 @@ def test_the_stages_refuse_it_before_compute(run, tiny_vlm_dir):
     before = ws.query("SELECT count(*) AS n FROM artifacts").to_pylist()
     with pytest.raises(ValueError, match=r"vision-language model.*rollout\.backend 'vllm'"):
         rollout.run(rollout.RolloutConfig(backend="vllm"), ctx, result.base, rollout.TaskSpec(**cfg["task"]))
-    with pytest.raises(ValueError, match=r"vision-language model.*sft \(its loss has no pixel inputs"):
-        sft.run(SFTConfig(), ctx, base_model=str(tiny_vlm_dir), data=__file__)
+    with pytest.raises(ValueError, match=r"vision-language model.*ppo \(its loss has no pixel inputs"):
+        ppo.run(ppo.PPOConfig(), ctx, result.base, result.batches, RewardRef("chars"))
     assert ws.query("SELECT count(*) AS n FROM artifacts").to_pylist() == before
 
 

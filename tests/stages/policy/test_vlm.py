@@ -156,3 +156,31 @@ def test_a_grpo_step_on_stored_visual_samples_updates_the_language_lora_only(tin
     changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= set(names)
     assert any("lora_B" in n for n in changed)
+
+
+def test_lora_projector_trains_the_connector_and_never_the_vision_tower(tiny_vlm_dir, tmp_path):
+    from stages.common import identity
+    from stages.policy.lora import LoRASettings
+    from stages.update.config import GRPOConfig
+    from stages.update.data import visual_training_sample
+    from stages.update.train import make_optimizer, train_on_batch
+    from storage.ids import config_hash
+
+    base = VLMPolicy.load(tiny_vlm_dir, ImageStore(tmp_path / "images"))
+    lora = LoRASettings(r=4, alpha=8, projector=True)
+    policy = VLMPolicy(add_vlm_lora(base.model, lora), base.processor, base.store)
+    names = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert any("connector" in n for n in names) and all("lora_" in n and "vision" not in n for n in names)
+    samples = policy.generate(episode((200, 0, 0), crop=False), n=2, sampling=SAMPLING, seed=1)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    config = GRPOConfig(lr=1e-2, micro_batch_size=2, micro_batch_tokens=None, lora=lora)
+    train_on_batch(policy.model, make_optimizer(policy.model, None, config),
+                   [visual_training_sample(policy, s) for s in samples], torch.tensor([1.0, -1.0]), config, 1.0)
+    changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
+    assert any("connector" in n and "lora_B" in n for n in changed)  # B starts at 0: the projector's LoRA trained
+    assert not any("vision_model" in n for n in changed)  # the vision tower did not move
+    # The field is part of every config's identity when on (and leaves the ids of existing configs alone).
+    assert config_hash(identity(config)) != config_hash(identity(config.model_copy(update={"lora": LoRASettings(r=4, alpha=8)})))
+    assert "projector" not in identity(GRPOConfig())["lora"]
+    with pytest.raises(ValueError, match="lora.projector needs a vision-language base model"):
+        lora.peft_config()
