@@ -124,13 +124,14 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pa
     8x8 patches, pixel shuffle to 4 image tokens, the tiny Llama text model) and its processor: the SmolLM2
     tokenizer plus Idefics3's image tokens, a chatml template that renders OpenAI content parts, and an image
     processor that resizes every image to one 32x32 tile. Loadable by path (`VLMPolicy.load`)."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                              Idefics3Processor)
 
     tok = _vlm_tokenizer(default_model_dir, ["<fake_token_around_image>", "<image>", "<global-img>"])
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 32},
                                        max_image_size={"longest_edge": 32})
-    processor = Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=_content_parts_template("<image>"),
-                                  image_seq_len=4)
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok,
+                                  chat_template=_content_parts_template("<image>"), image_seq_len=4)
     text = dict(model_type="llama", **_tiny_llama(tok))
     config = Idefics3Config(
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -164,7 +165,7 @@ def tiny_vlm(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 def _tiny_qwen_vl(architecture: str, path: Path, default_model_dir: Path) -> Path:
     """A tiny random Qwen2-VL or Qwen2.5-VL and its processor in `path`: the SmolLM2 tokenizer plus Qwen's vision
     tokens, a chatml template writing each image as `<|vision_start|><|image_pad|><|vision_end|>`, an image
-    processor that resizes each image to 256-576 pixels in 4x4 patches (8-36 patches, merged 2x2 into 2-9 image
+    processor that resizes each image to 256-576 pixels in 4x4 patches (16-36 patches, merged 2x2 into 4-9 image
     tokens), a 1-layer vision tower of width 16 and the tiny Llama's shapes for the text model, whose M-RoPE
     splits the 8-wide heads' 4 rotary frequencies 2/1/1 over time, height and width."""
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLConfig,
@@ -176,9 +177,11 @@ def _tiny_qwen_vl(architecture: str, path: Path, default_model_dir: Path) -> Pat
     images = Qwen2VLImageProcessorPil(min_pixels=256, max_pixels=576, patch_size=4, merge_size=2, temporal_patch_size=2)
     qwen2 = architecture == "qwen2_vl"
     # No torchvision here, which transformers 5 needs for Qwen's video processor: the processor takes images only.
-    processor = images_only(Qwen2VLProcessor if qwen2 else Qwen2_5_VLProcessor)(
-        image_processor=images, tokenizer=tok, chat_template=_content_parts_template("<|vision_start|><|image_pad|><|vision_end|>"))
-    text = _tiny_llama(tok) | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}
+    template = _content_parts_template("<|vision_start|><|image_pad|><|vision_end|>")
+    processor = images_only(Qwen2VLProcessor if qwen2 else Qwen2_5_VLProcessor)(image_processor=images, tokenizer=tok,
+                                                                                chat_template=template)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    text = _tiny_llama(tok) | {"rope_parameters": rope}
     ids = {field: tok.convert_tokens_to_ids(token) for field, token in [
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
@@ -188,6 +191,7 @@ def _tiny_qwen_vl(architecture: str, path: Path, default_model_dir: Path) -> Pat
                                tie_word_embeddings=True, **ids)
         return _saved_vlm(path, Qwen2VLForConditionalGeneration, config, processor)
     # Qwen2.5-VL's tower attends in windows (16 px: 2x2 merged tokens) except in fullatt_block_indexes.
-    vision = tower | dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=16, fullatt_block_indexes=[0])
+    vision = tower | dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=16,
+                          fullatt_block_indexes=[0])
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     return _saved_vlm(path, Qwen2_5_VLForConditionalGeneration, config, processor)

@@ -346,8 +346,9 @@ class VLMPolicy:
 
 def add_vlm_lora(model: Any, lora: Any, seed: int | None = None) -> Any:
     """`stages.policy.lora.add_lora` for a vision-language model: the adapter goes on the language model's
-    `lora.target_modules` only; the vision tower (whose attention reuses names like q_proj) stays frozen,
-    as in verl's and TRL's default VLM LoRA."""
+    `lora.target_modules` only; the vision tower (whose attention reuses names like q_proj: Idefics3's
+    `vision_model`, Qwen2-VL's `visual`, which also holds its merger, the projector) stays frozen, as in verl's
+    and TRL's default VLM LoRA."""
     import torch
     from peft import LoraConfig, get_peft_model
 
