@@ -7,7 +7,7 @@ everything about tokens and templates is exercised for real while a forward pass
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,26 +89,49 @@ def _isolated_tracking_uri() -> Iterator[None]:
     os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
+def _vlm_tokenizer(default_model_dir: Path, image_tokens: list[str]) -> Any:
+    """The SmolLM2 tokenizer with a VLM's image tokens added as special tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    tok.add_special_tokens({"additional_special_tokens": image_tokens})
+    return tok
+
+
+def _content_parts_template(image: str) -> str:
+    """A chatml template that renders OpenAI-style content parts, each image part as `image` (the text the
+    processor then expands into the image's placeholder tokens)."""
+    return (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% for part in message['content'] %}{% if part['type'] == 'image' %}" + image + "{% else %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+def _saved_vlm(path: Path, model_class: Any, config: Any, processor: Any) -> Path:
+    """A random model of `config` (seeded) saved with its processor in `path`."""
+    import torch
+
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A folder with a tiny random Idefics3 (SmolVLM's architecture: a 1-layer vision tower, 32x32 images in
     8x8 patches, pixel shuffle to 4 image tokens, the tiny Llama text model) and its processor: the SmolLM2
     tokenizer plus Idefics3's image tokens, a chatml template that renders OpenAI content parts, and an image
     processor that resizes every image to one 32x32 tile. Loadable by path (`VLMPolicy.load`)."""
-    import torch
-    from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
-                              Idefics3ImageProcessorPil, Idefics3Processor)
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                              Idefics3Processor)
 
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>"]})
-    template = (
-        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-        "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
-        "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    tok = _vlm_tokenizer(default_model_dir, ["<fake_token_around_image>", "<image>", "<global-img>"])
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 32},
                                        max_image_size={"longest_edge": 32})
-    processor = Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=template, image_seq_len=4)
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok,
+                                  chat_template=_content_parts_template("<image>"), image_seq_len=4)
     text = dict(model_type="llama", **_tiny_llama(tok))
     config = Idefics3Config(
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -116,9 +139,59 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pa
         text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    model = Idefics3ForConditionalGeneration(config)
-    path = tmp_path_factory.mktemp("tiny-idefics3")
-    model.save_pretrained(path, safe_serialization=True)
-    processor.save_pretrained(path)
-    return path
+    return _saved_vlm(tmp_path_factory.mktemp("tiny-idefics3"), Idefics3ForConditionalGeneration, config, processor)
+
+
+# The tiny VLMs' architectures (`tiny_vlm`): the two layouts of image tensors, and Qwen2.5-VL's windowed tower.
+VLM_ARCHITECTURES = ("idefics3", "qwen2_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+             default_model_dir: Path) -> Callable[[str], Path]:
+    """The folder of a tiny random VLM by architecture (one of VLM_ARCHITECTURES), each built once on first use:
+    "idefics3" is `tiny_vlm_dir`; "qwen2_vl" and "qwen2_5_vl" are `_tiny_qwen_vl`'s."""
+    built = {"idefics3": tiny_vlm_dir}
+
+    def folder(architecture: str) -> Path:
+        if architecture not in built:
+            built[architecture] = _tiny_qwen_vl(architecture, tmp_path_factory.mktemp(f"tiny-{architecture}"),
+                                                default_model_dir)
+        return built[architecture]
+
+    return folder
+
+
+def _tiny_qwen_vl(architecture: str, path: Path, default_model_dir: Path) -> Path:
+    """A tiny random Qwen2-VL or Qwen2.5-VL and its processor in `path`: the SmolLM2 tokenizer plus Qwen's vision
+    tokens, a chatml template writing each image as `<|vision_start|><|image_pad|><|vision_end|>`, an image
+    processor that resizes each image to 256-576 pixels in 4x4 patches (16-36 patches, merged 2x2 into 4-9 image
+    tokens), a 1-layer vision tower of width 16 and the tiny Llama's shapes for the text model, whose M-RoPE
+    splits the 8-wide heads' 4 rotary frequencies 2/1/1 over time, height and width."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor)
+
+    from stages.policy.vlm import images_only
+
+    tok = _vlm_tokenizer(default_model_dir, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    images = Qwen2VLImageProcessorPil(min_pixels=256, max_pixels=576, patch_size=4, merge_size=2, temporal_patch_size=2)
+    qwen2 = architecture == "qwen2_vl"
+    # No torchvision here, which transformers 5 needs for Qwen's video processor: the processor takes images only.
+    template = _content_parts_template("<|vision_start|><|image_pad|><|vision_end|>")
+    processor = images_only(Qwen2VLProcessor if qwen2 else Qwen2_5_VLProcessor)(image_processor=images, tokenizer=tok,
+                                                                                chat_template=template)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    text = _tiny_llama(tok) | {"rope_parameters": rope}
+    ids = {field: tok.convert_tokens_to_ids(token) for field, token in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    tower = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    if qwen2:
+        config = Qwen2VLConfig(text_config=text, vision_config=tower | dict(embed_dim=16, mlp_ratio=2, hidden_size=32),
+                               tie_word_embeddings=True, **ids)
+        return _saved_vlm(path, Qwen2VLForConditionalGeneration, config, processor)
+    # Qwen2.5-VL's tower attends in windows (16 px: 2x2 merged tokens) except in fullatt_block_indexes.
+    vision = tower | dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=16,
+                          fullatt_block_indexes=[0])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    return _saved_vlm(path, Qwen2_5_VLForConditionalGeneration, config, processor)

@@ -145,15 +145,16 @@ class HFBackend:
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None,
         rows: list[RowOptions] | None = None, on_step: Callable[[list[int]], None] | None = None,
-        inputs: dict[str, Any] | None = None,
+        inputs: Callable[[torch.Tensor], dict[str, Any]] | None = None,
     ) -> list[Sample]:
         """Sample one turn per prompt in one left-padded batch; deterministic for a given seed.
         `rows[i]` asks prompt i's top log-probs and grammar constraint (stages/policy/sampling.py); a
         free row samples exactly as it would in a call without the others' options. `on_step`, if given,
         receives each decoding step's sampled tokens (one per row, as they are produced; a finished row
-        gets the pad id), without changing what is sampled. `inputs`: more `generate` arguments (a
-        vision-language model's pixel tensors and suppressed tokens, stages/policy/vlm_resident.py); the
-        shared prefill, which runs the model on the tokens alone, is then skipped."""
+        gets the pad id), without changing what is sampled. `inputs`: more `generate` arguments made from
+        the left-padded prompt ids (B, P) (a vision-language model's pixel tensors, the positions of its image
+        tokens, suppressed tokens: stages/policy/vlm_resident.py); the shared prefill, which runs the model on
+        the tokens alone, is then skipped."""
         import torch
         from transformers import LogitsProcessorList
 
@@ -194,13 +195,13 @@ class HFBackend:
         )
         if sampling.stop:
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
-        kwargs.update(inputs or {})
 
         devices = [device] if device.type == "cuda" else []
         # fork_rng: seed without disturbing the caller's global RNG state.
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(sampling.seed if seed is None else seed)
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            kwargs.update(inputs(input_ids) if inputs is not None else {})
             keep = self._kept is not None
             cache = self._kept.prefill(prompt_token_ids, width) if keep else None
             if cache is None and self.share_prompts and not inputs:

@@ -132,11 +132,12 @@ def visual_token_logprobs(
     or not): the multimodal body (`lm.model`: vision tower, projector, language model) runs on the tokens
     and the image tensors of `vision` (a `stages.policy.vlm.VisionInputs`), and the tokens sampling
     suppressed (`vision.banned_ids`) get probability 0. Rows must be right-padded: the model
-    numbers positions itself (Idefics3 from 0, Qwen2-VL by its multimodal rope), as when sampling."""
+    numbers positions itself (Idefics3 from 0, Qwen2-VL by its multimodal rope from the ids, the image
+    grids and the attention mask), as when sampling."""
     lm = _causal_lm(model)
     want = _scored_positions(attention_mask, positions_mask)  # (B, T)
     hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask,
-                      **vision.tensors, use_cache=False).last_hidden_state  # (B, T, H)
+                      **vision.model_inputs(input_ids), use_cache=False).last_hidden_state  # (B, T, H)
     return _logprobs_at(lm, hidden, input_ids, want, temperature, chunk_size, vision.banned_ids)
 
 

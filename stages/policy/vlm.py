@@ -11,10 +11,18 @@ is validated and stored content-addressed in the workspace (storage/images.py) b
 sample records its images by id, in the order their placeholder tokens appear.
 
 The model is a transformers image-text-to-text class (`*ForConditionalGeneration` with a `vision_config`;
-Idefics3 / SmolVLM is what the tests build) and its processor, loaded from one folder: the processor's own
-chat template renders the messages and expands each image into its placeholder tokens (for Idefics3:
-`<fake_token_around_image><global-img><image>*image_seq_len<fake_token_around_image>`). Those tokens are
+the tests build Idefics3 / SmolVLM, Qwen2-VL and Qwen2.5-VL) and its processor, loaded from one folder: the
+processor's own chat template renders the messages and expands each image into its placeholder tokens (for
+Idefics3: `<fake_token_around_image><global-img><image>*image_seq_len<fake_token_around_image>`; for Qwen2-VL:
+`<|vision_start|><|image_pad|>*n<|vision_end|>`, n = the image's patches / merge_size**2). Those tokens are
 prompt tokens, so `loss_mask` is 0 on them: only sampled tokens are trained.
+
+The two families batch their image tensors differently, and `VisionInputs` is the one home of that: Idefics3
+takes pixel_values (B, n_images, 3, H, W), each sequence's images padded to the batch's most with all-zero
+images; Qwen2-VL takes every image's flattened patches concatenated over the batch, pixel_values (patches,
+C*T*P*P), with image_grid_thw (n_images, 3) saying which patches are whose, and numbers positions with its
+multimodal rope (M-RoPE) from the ids, the grid and the attention mask, for which it needs mm_token_type_ids
+(1 on the image tokens; `VisionInputs.model_inputs` writes them for the padded ids of each call).
 
 Pixel inputs are never stored: they are rebuilt from the stored image bytes by the processor's image
 processor, whose settings are part of the model folder (`processor_fingerprint`, recorded per sample and
@@ -33,7 +41,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +53,10 @@ if TYPE_CHECKING:
     import torch
 
 # The processor attributes that name image-structure tokens (Idefics3/SmolVLM, Qwen2-VL and LLaVA-style).
-_IMAGE_TOKEN_ATTRS = ("image_token", "fake_image_token", "global_image_tag", "vision_start_token",
+_IMAGE_TOKEN_ATTRS = ("image_token", "video_token", "fake_image_token", "global_image_tag", "vision_start_token",
                       "vision_end_token", "boi_token", "eoi_token")
+# The model config fields that hold them where the processor does not name them (Qwen2-VL's vision start/end).
+_IMAGE_TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def has_images(content: Any) -> bool:
@@ -112,14 +123,46 @@ def is_vision_language_model(base_model: str) -> bool:
 
 def model_processor_fingerprint(base_model: str) -> str:
     """`processor_fingerprint` of the processor saved in a VLM's folder (part of its base policy's id)."""
-    from transformers import AutoProcessor
+    return processor_fingerprint(load_processor(Path(base_model).expanduser()))
 
-    return processor_fingerprint(AutoProcessor.from_pretrained(Path(base_model).expanduser()))
+
+def load_processor(path: Path) -> Any:
+    """The processor saved in a VLM's folder (`AutoProcessor`). Where torchvision is missing (a CPU torch build
+    without it), a processor that also takes videos (Qwen2-VL's, whose video processor needs torchvision in
+    transformers 5) is loaded for images alone (`images_only`): rlops never sends it a video."""
+    from transformers import AutoProcessor
+    from transformers.models.auto.processing_auto import processor_class_from_name
+    from transformers.utils import is_torchvision_available
+
+    name = _saved_processor_class(path)
+    cls = processor_class_from_name(name) if name else None
+    if is_torchvision_available() or cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
+        return AutoProcessor.from_pretrained(path)
+    return images_only(cls).from_pretrained(path)
+
+
+def images_only(cls: type) -> type:
+    """A processor class like `cls` (one whose `__init__` takes a video_processor) without its video processor:
+    transformers builds and loads a processor's parts from its `__init__` parameters."""
+    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None,
+                 **kwargs: Any) -> None:
+        cls.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__})
+
+
+def _saved_processor_class(path: Path) -> str | None:
+    """The processor class a model folder names (processor_config.json, or the older files that carry it)."""
+    for file in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        if (path / file).is_file() and (name := json.loads((path / file).read_text()).get("processor_class")):
+            return name
+    return None
 
 
 def processor_fingerprint(processor: Any) -> str:
-    """A hash of the image processor's settings (size, resampling, normalisation, splitting) and the image
-    token layout: what decides the pixel inputs and placeholder tokens an image becomes."""
+    """A hash of the image processor's settings (size, resampling, normalisation, splitting; Qwen2-VL's
+    min/max pixels, patch, temporal patch and merge sizes) and the image token layout: what decides the pixel
+    inputs and placeholder tokens an image becomes."""
     settings = processor.image_processor.to_dict()
     settings["image_seq_len"] = getattr(processor, "image_seq_len", None)
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -127,31 +170,61 @@ def processor_fingerprint(processor: Any) -> str:
 
 @dataclass(frozen=True)
 class VisionInputs:
-    """What a forward pass needs besides the tokens: the image tensors of one sequence (or a micro-batch,
-    after `stack`) and the image-structure token ids that sampling suppressed (scored the same way)."""
+    """What a forward pass needs besides the tokens: the image tensors of one sequence (or a batch, after
+    `stack` / `repeat`), the image-structure token ids that sampling suppressed (scored the same way), and, for
+    a model that numbers positions by modality (Qwen2-VL's M-RoPE), the image token whose positions it is told.
 
-    tensors: dict[str, Any]  # e.g. pixel_values (B, n_images, 3, H, W), pixel_attention_mask (B, n_images, H, W)
+    The layout of the tensors is the model's (module docstring): Idefics3's pixel_values (B, n_images, 3, H, W)
+    and pixel_attention_mask (B, n_images, H, W), or Qwen2-VL's pixel_values (patches, C*T*P*P) and
+    image_grid_thw (n_images, 3), recognised by the grid."""
+
+    tensors: dict[str, Any]
     banned_ids: tuple[int, ...]
+    token_type_id: int | None = None  # the image token that mm_token_type_ids marks; None: the model takes none
 
     @staticmethod
     def stack(items: list[VisionInputs]) -> VisionInputs:
-        """One micro-batch's inputs: each sequence's images padded with all-zero images to the most any has
-        (Idefics3 drops all-zero images, as it does for its processor's own batches)."""
-        import torch
-
+        """A batch's inputs, one item per sequence in row order (a sequence without images has no tensors)."""
         seen = next((v.tensors for v in items if v.tensors), None)
         if seen is None:  # no sequence has an image
-            return VisionInputs({}, items[0].banned_ids)
-        most = max(v.tensors["pixel_values"].shape[1] for v in items if v.tensors)
-        tensors = {}
-        for key, like in seen.items():
-            parts = [v.tensors.get(key, like.new_zeros(1, 0, *like.shape[2:])) for v in items]  # (1, n_i, ...)
-            padded = [torch.cat([t, t.new_zeros(t.shape[0], most - t.shape[1], *t.shape[2:])], 1) for t in parts]
-            tensors[key] = torch.cat(padded, 0)  # (B, most, ...)
-        return VisionInputs(tensors, items[0].banned_ids)
+            return replace(items[0], tensors={})
+        batch = _concatenated if "image_grid_thw" in seen else _padded
+        return replace(items[0], tensors=batch([v.tensors for v in items], seen))
+
+    def repeat(self, n: int) -> VisionInputs:
+        """The inputs of n rows that all show this sequence's images (a group's samples of one prompt)."""
+        return VisionInputs.stack([self] * n)
+
+    def model_inputs(self, input_ids: torch.Tensor) -> dict[str, Any]:
+        """The image arguments of a forward or generate call on input_ids (B, T) (padded as the call pads them)."""
+        if not self.tensors or self.token_type_id is None:
+            return dict(self.tensors)
+        return {**self.tensors, "mm_token_type_ids": (input_ids == self.token_type_id).int()}  # (B, T)
 
     def to(self, device: Any) -> VisionInputs:
-        return VisionInputs({k: v.to(device) for k, v in self.tensors.items()}, self.banned_ids)
+        return replace(self, tensors={k: v.to(device) for k, v in self.tensors.items()})
+
+
+def _padded(rows: list[dict[str, Any]], like: dict[str, Any]) -> dict[str, Any]:
+    """Idefics3's batch: each row's images (1, n_i, ...) padded with all-zero images to the most any row has,
+    (B, most, ...) (Idefics3 drops all-zero images, as it does for its processor's own batches)."""
+    import torch
+
+    most = max(t["pixel_values"].shape[1] for t in rows if t)
+    out = {}
+    for key, first in like.items():
+        parts = [t.get(key, first.new_zeros(1, 0, *first.shape[2:])) for t in rows]  # (1, n_i, ...)
+        padded = [torch.cat([p, p.new_zeros(p.shape[0], most - p.shape[1], *p.shape[2:])], 1) for p in parts]
+        out[key] = torch.cat(padded, 0)  # (B, most, ...)
+    return out
+
+
+def _concatenated(rows: list[dict[str, Any]], like: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-VL's batch: every row's patches (p_i, C*T*P*P) and grids (n_i, 3) concatenated in row order, which
+    is the order the model hands the images' features to the image tokens of the rows."""
+    import torch
+
+    return {key: torch.cat([t[key] for t in rows if t], 0) for key in like}
 
 
 @dataclass
@@ -179,18 +252,20 @@ class VLMPolicy:
         tokenizer = processor.tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self.banned_ids = image_structure_ids(processor)
+        self.banned_ids = image_structure_ids(processor, model.config)
+        # Processors that hand the model mm_token_type_ids (Qwen2-VL's) mark its image token's positions.
+        self.token_type_id = processor.image_token_id if getattr(processor, "return_mm_token_type_ids", False) else None
 
     @classmethod
     def load(cls, path: str | Path, store: ImageStore) -> VLMPolicy:
         """The model and processor saved in one folder (fp32, eval mode); ValueError if it is not a VLM."""
-        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoConfig, AutoModelForImageTextToText
 
         config = AutoConfig.from_pretrained(path)
         if not is_vision_language(config):
             raise ValueError(f"{path} is not a vision-language model (its config has no vision_config)")
         model = AutoModelForImageTextToText.from_pretrained(path, dtype="float32").eval()
-        return cls(model, AutoProcessor.from_pretrained(path), store)
+        return cls(model, load_processor(Path(path)), store)
 
     def prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
         """The generation prompt's token ids (image placeholders expanded) and the ids of its images, each
@@ -209,10 +284,10 @@ class VLMPolicy:
             raise ValueError(f"the episode was recorded with processor {processor}, this policy's is {self.fingerprint}: "
                              "its pixel inputs cannot be rebuilt exactly")
         if not image_ids:
-            return VisionInputs({}, self.banned_ids)
+            return VisionInputs({}, self.banned_ids, self.token_type_id)
         pil = [_decode(self.store.get(i)) for i in image_ids]
         tensors = dict(self.processor.image_processor(images=[pil], return_tensors="pt"))
-        return VisionInputs(tensors, self.banned_ids)
+        return VisionInputs(tensors, self.banned_ids, self.token_type_id)
 
     def generate(self, messages: list[dict[str, Any]], n: int, sampling: SamplingConfig,
                  seed: int | None = None) -> list[VisualSample]:
@@ -230,7 +305,7 @@ class VLMPolicy:
         processors: list[Any] = [recorder] + ([] if greedy else [_InverseCDFSampler(sampling.temperature)])
         device = self.model.device
         ids = torch.tensor([prompt] * n, device=device)  # (n, P)
-        extra = {k: v.repeat(n, *[1] * (v.dim() - 1)).to(device) for k, v in vision.tensors.items()}  # (n, ...)
+        extra = vision.repeat(n).to(device).model_inputs(ids)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
             torch.manual_seed(sampling.seed if seed is None else seed)
             out = self.model.generate(
@@ -271,8 +346,9 @@ class VLMPolicy:
 
 def add_vlm_lora(model: Any, lora: Any, seed: int | None = None) -> Any:
     """`stages.policy.lora.add_lora` for a vision-language model: the adapter goes on the language model's
-    `lora.target_modules` only; the vision tower (whose attention reuses names like q_proj) stays frozen,
-    as in verl's and TRL's default VLM LoRA. `lora.projector`: the projector's linear layers get one too
+    `lora.target_modules` only; the vision tower (whose attention reuses names like q_proj: Idefics3's
+    `vision_model`, Qwen2-VL's `visual`, which also holds its merger, the projector) stays frozen, as in verl's
+    and TRL's default VLM LoRA. `lora.projector`: the projector's linear layers get one too
     (`projector_layers`; ValueError when the model has none)."""
     import re
 
@@ -309,12 +385,14 @@ def projector_layers(model: Any) -> list[str]:
             if isinstance(m, torch.nn.Linear) and any(part in _PROJECTOR_NAMES for part in n.split("."))]
 
 
-def image_structure_ids(processor: Any) -> tuple[int, ...]:
-    """The ids of the tokens that only the processor may write (image placeholders and their markers)."""
+def image_structure_ids(processor: Any, config: Any = None) -> tuple[int, ...]:
+    """The ids of the tokens that only the processor may write (image placeholders and their markers), named
+    by the processor or by the model's `config` (Qwen2-VL's `<|vision_start|>` / `<|vision_end|>`)."""
     tokenizer = processor.tokenizer
     tokens = [getattr(processor, a) for a in _IMAGE_TOKEN_ATTRS if isinstance(getattr(processor, a, None), str)]
     ids = {tokenizer.convert_tokens_to_ids(t) for t in tokens}
-    return tuple(sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id))
+    ids |= {getattr(config, f, None) for f in _IMAGE_TOKEN_ID_FIELDS}
+    return tuple(sorted(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id))
 
 
 def _decode(data: bytes) -> Any:

@@ -52,12 +52,12 @@ class VisualResidentPolicy(ResidentPolicy):
                  on_step: Callable[[list[int]], None] | None = None, images: list[str] | None = None) -> list[Sample]:
         """`ResidentPolicy.generate` where every prompt holds the placeholders of `images` (stored image ids, in
         placeholder order; None or [] for a prompt without images)."""
-        vision = self.vlm.vision_inputs(images or [])  # before the lock: decoding and resizing need no model
-        device = self.vlm.model.device
-        rows_n = len(prompt_token_ids)
-        inputs: dict[str, Any] = {k: v.repeat(rows_n, *[1] * (v.dim() - 1)).to(device)  # (B, n_images, ...)
-                                  for k, v in vision.tensors.items()}
-        inputs["suppress_tokens"] = list(vision.banned_ids)
+        # Before the lock: decoding and resizing need no model. Every row shows the request's images.
+        vision = self.vlm.vision_inputs(images or []).repeat(len(prompt_token_ids)).to(self.vlm.model.device)
+
+        def inputs(input_ids: Any) -> dict[str, Any]:  # the padded prompts (B, P)
+            return vision.model_inputs(input_ids) | {"suppress_tokens": list(vision.banned_ids)}
+
         with self._lock, self._activate(adapter_dir):
             return self.backend.generate(prompt_token_ids, sampling, seed, rows, on_step=on_step, inputs=inputs)
 

@@ -1,6 +1,8 @@
-"""Vision-language policies with a real tiny Idefics3 (SmolVLM's architecture, random weights) and real peft:
-images in the prompt and in a tool result, token-exact recording, log-probs recomputed from the stored
-images, a GRPO step on stored visual samples reaching the LoRA weights, and clear errors on bad input."""
+"""Vision-language policies with real tiny random VLMs of each architecture (Idefics3 / SmolVLM, whose images
+batch padded per sequence, and Qwen2-VL / Qwen2.5-VL, whose patches batch concatenated with their grids and
+whose positions are M-RoPE's) and real peft: images in the prompt and in a tool result, token-exact recording,
+log-probs recomputed from the stored images, micro-batches mixing image counts, a GRPO step on stored visual
+samples reaching the language model's LoRA weights only, and clear errors on bad input."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import torch
 from PIL import Image
 
 from stages.policy.sampling import SamplingConfig
-from stages.policy.vlm import VLMPolicy, add_vlm_lora, text_content
+from stages.policy.vlm import VLMPolicy, add_vlm_lora, processor_fingerprint, text_content
 from storage.images import ImageStore, data_url
+from tests.conftest import VLM_ARCHITECTURES
 
 SAMPLING = SamplingConfig(max_new_tokens=10)
 
@@ -44,9 +47,33 @@ def episode(prompt_color: tuple[int, int, int], crop: bool) -> list[dict]:
     return messages
 
 
+# The tokens each architecture's processor writes around and for an image: never sampled.
+IMAGE_STRUCTURE = {"idefics3": ["<fake_token_around_image>", "<image>", "<global-img>"],
+                   "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]}
+IMAGE_STRUCTURE["qwen2_5_vl"] = IMAGE_STRUCTURE["qwen2_vl"]
+
+
+@pytest.fixture(scope="module", params=VLM_ARCHITECTURES)
+def architecture(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def policy(tiny_vlm_dir, tmp_path_factory) -> VLMPolicy:
-    return VLMPolicy.load(tiny_vlm_dir, ImageStore(tmp_path_factory.mktemp("ws") / "images"))
+def vlm_dir(tiny_vlm, architecture):
+    return tiny_vlm(architecture)
+
+
+@pytest.fixture(scope="module")
+def policy(vlm_dir, tmp_path_factory) -> VLMPolicy:
+    return VLMPolicy.load(vlm_dir, ImageStore(tmp_path_factory.mktemp("ws") / "images"))
+
+
+def image_tokens(policy: VLMPolicy, data: bytes) -> int:
+    """How many image tokens (`processor.image_token`) the processor expands one image into."""
+    from stages.policy.vlm import _decode
+
+    ids = policy.processor(text=[policy.processor.image_token], images=[[_decode(data)]])["input_ids"][0]
+    return list(ids).count(policy.processor.tokenizer.convert_tokens_to_ids(policy.processor.image_token))
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +82,13 @@ def group(policy):
     return policy.generate(episode((200, 0, 0), crop=True), n=3, sampling=SAMPLING, seed=3)
 
 
-def test_a_visual_episode_is_recorded_token_exact_with_its_image_tokens_masked(policy, group):
+def test_a_visual_episode_is_recorded_token_exact_with_its_image_tokens_masked(policy, group, architecture):
     tok = policy.processor.tokenizer
-    image_token = tok.convert_tokens_to_ids("<image>")
+    image_token = tok.convert_tokens_to_ids(policy.processor.image_token)
     prompt, image_ids = policy.prompt(episode((200, 0, 0), crop=True))
-    assert prompt.count(image_token) == 2 * policy.processor.image_seq_len  # both images expanded
+    per_image = [image_tokens(policy, png((200, 0, 0))), image_tokens(policy, png((0, 0, 200), (20, 50)))]
+    assert min(per_image) > 0 and prompt.count(image_token) == sum(per_image)  # both images expanded
+    assert set(tok.convert_tokens_to_ids(IMAGE_STRUCTURE[architecture])) <= set(policy.banned_ids)
     for s in group:
         assert s.token_ids[: len(prompt)] == prompt and s.image_ids == image_ids
         sampled = s.token_ids[len(prompt):]
@@ -94,6 +123,39 @@ def test_a_sample_from_another_processor_is_refused(policy, group):
         policy.logprobs(replace(group[0], processor="0000"))
 
 
+@pytest.mark.parametrize("setting", ["min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size"])
+def test_the_processor_fingerprint_covers_qwens_image_settings(tiny_vlm, setting):
+    from stages.policy.vlm import load_processor
+
+    processor = load_processor(tiny_vlm("qwen2_vl"))
+    before = processor_fingerprint(processor)
+    images = processor.image_processor
+    if setting.endswith("pixels"):  # min/max pixels live in size as shortest/longest edge
+        edge = "shortest_edge" if setting == "min_pixels" else "longest_edge"
+        images.size = type(images.size)(**{**dict(images.size), edge: images.size[edge] * 2})
+    else:
+        setattr(images, setting, getattr(images, setting) * 2)
+    assert processor_fingerprint(processor) != before
+
+
+def test_a_micro_batch_mixing_image_counts_scores_each_sequence_as_alone(policy, group):
+    """Two images, none, one: Idefics3 pads the rows' images, Qwen2-VL concatenates their patches and grids."""
+    from stages.update.data import visual_training_sample
+    from stages.update.train import _micro_batches
+
+    text_only = policy.generate([{"role": "user", "content": "How many squares?"}], n=1, sampling=SAMPLING, seed=5)
+    one_image = policy.generate(episode((0, 200, 0), crop=False), n=1, sampling=SAMPLING, seed=6)
+    samples = [group[0], *text_only, *one_image]
+    assert [len(s.image_ids) for s in samples] == [2, 0, 1]
+    [batch] = _micro_batches([visual_training_sample(policy, s) for s in samples], size=3, device=torch.device("cpu"))
+    with torch.no_grad():
+        together = batch.logprobs(policy.model, 1.0)  # (3, T), right-padded, rows in batch.index's order
+    assert sorted(batch.index.tolist()) == [0, 1, 2]
+    for row, i in zip(together, batch.index.tolist()):
+        alone = policy.logprobs(samples[i])
+        assert torch.allclose(row[: len(alone)], alone, atol=1e-4, rtol=0) and alone.abs().sum() > 0
+
+
 @pytest.mark.parametrize("content, message", [
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}], "does not decode"),
     ([{"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}], "base64 data URL"),
@@ -118,7 +180,7 @@ def test_load_refuses_a_text_model(tiny_model_dir, tmp_path):
         VLMPolicy.load(tiny_model_dir, ImageStore(tmp_path))
 
 
-def test_a_grpo_step_on_stored_visual_samples_updates_the_language_lora_only(tiny_vlm_dir, tmp_path):
+def test_a_grpo_step_on_stored_visual_samples_updates_the_language_lora_only(vlm_dir, tmp_path):
     from stages.policy.lora import LoRASettings
     from stages.update.config import GRPOConfig
     from stages.update.data import visual_training_sample
@@ -128,10 +190,12 @@ def test_a_grpo_step_on_stored_visual_samples_updates_the_language_lora_only(tin
     from storage.workspace import Workspace
     from tests.factories import tool_episode
 
-    base = VLMPolicy.load(tiny_vlm_dir, ImageStore(tmp_path / "ws" / "images"))
+    base = VLMPolicy.load(vlm_dir, ImageStore(tmp_path / "ws" / "images"))
     policy = VLMPolicy(add_vlm_lora(base.model, LoRASettings(r=4, alpha=8)), base.processor, base.store)
     names = [n for n, p in policy.model.named_parameters() if p.requires_grad]
-    assert names and all("lora_" in n and "text_model" in n for n in names)  # not the vision tower
+    language = {id(p) for p in policy.model.get_base_model().get_decoder().parameters()}
+    # Only the language model's LoRA: not the vision tower, nor the projector / merger.
+    assert names and all("lora_" in n and id(p) in language for n, p in policy.model.named_parameters() if p.requires_grad)
     # Two groups: two images (prompt + tool crop) and one image, so a micro-batch pads both tokens and images.
     samples = (policy.generate(episode((200, 0, 0), crop=True), n=2, sampling=SAMPLING, seed=1)
                + policy.generate(episode((0, 200, 0), crop=False), n=2, sampling=SAMPLING, seed=2))
@@ -156,6 +220,8 @@ def test_a_grpo_step_on_stored_visual_samples_updates_the_language_lora_only(tin
     changed = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= set(names)
     assert any("lora_B" in n for n in changed)
+    nonzero_b = [n for n, p in policy.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
+    assert nonzero_b and set(nonzero_b) <= set(names)
 
 
 def test_lora_projector_trains_the_connector_and_never_the_vision_tower(tiny_vlm_dir, tmp_path):

@@ -1,6 +1,6 @@
-"""A vision-language conversation grown token by token (stages/policy/vlm_chat.py) with the real tiny Idefics3
-processor: images in a user message and in a tool result, a sampled turn kept as sampled, and the whole equal
-to the processor's own tokenization of the conversation."""
+"""A vision-language conversation grown token by token (stages/policy/vlm_chat.py) with the real tiny Idefics3,
+Qwen2-VL and Qwen2.5-VL processors: images in a user message and in a tool result, a sampled turn kept as
+sampled, and the whole equal to the processor's own tokenization of the conversation."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from stages.policy.vlm import VLMPolicy
 from stages.policy.vlm_chat import VisualChatFormat, image_ids_of, image_ref, marked_content
 from storage.images import ImageStore, image_id
 from storage.schema import Message
-from tests.stages.policy.test_vlm import image_part, png
+from tests.conftest import VLM_ARCHITECTURES
+from tests.stages.policy.test_vlm import image_part, image_tokens, png
 
 
-@pytest.fixture(scope="module")
-def policy(tiny_vlm_dir, tmp_path_factory) -> VLMPolicy:
-    return VLMPolicy.load(tiny_vlm_dir, ImageStore(tmp_path_factory.mktemp("ws") / "images"))
+@pytest.fixture(scope="module", params=VLM_ARCHITECTURES)
+def policy(request, tiny_vlm, tmp_path_factory) -> VLMPolicy:
+    return VLMPolicy.load(tiny_vlm(request.param), ImageStore(tmp_path_factory.mktemp("ws") / "images"))
 
 
 def test_a_two_image_conversation_grows_to_the_processors_own_tokens(policy):
@@ -51,8 +52,8 @@ def test_a_two_image_conversation_grows_to_the_processors_own_tokens(policy):
     rest = len(ids) - first - len(sampled)
     assert ids[:first] == theirs[:first] and ids[first:first + len(sampled)] == sampled
     assert ids[-rest:] == theirs[-rest:]
-    placeholder = policy.processor.tokenizer.convert_tokens_to_ids("<image>")
-    assert ids.count(placeholder) == 2 * policy.processor.image_seq_len
+    placeholder = policy.processor.tokenizer.convert_tokens_to_ids(policy.processor.image_token)
+    assert ids.count(placeholder) == image_tokens(policy, shot) + image_tokens(policy, crop)
 
 
 @pytest.mark.parametrize("content, message", [

@@ -100,3 +100,25 @@ def test_a_zoom_episode_is_recorded_token_exact_with_the_tools_image(zoom_vlm_di
         # The behaviour log-probs (greedy: at temperature 1) recomputed from the stored images.
         sample = VisualSample(ep.token_ids, ep.loss_mask, ep.behavior_logprobs, ep.image_ids, policy.fingerprint, "", "")
         assert torch.allclose(policy.logprobs(sample), torch.tensor(ep.behavior_logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_qwen_vl_group_runs_through_the_pipelines_episodes(tiny_vlm, architecture, tmp_path):
+    """The pipeline's episodes with a random tiny Qwen2-VL / Qwen2.5-VL (it writes no tool call: one turn each): the
+    prompt's picture expanded into `<|image_pad|>` tokens between its markers, masked 0, and the behaviour log-probs
+    reproduced from the stored image."""
+    task = make_task(**TASK)
+    prompt = task.prompts("train")[0]
+    vlm = ResidentVLM(str(tiny_vlm(architecture)), ImageStore(tmp_path / "images"))
+    episodes = vlm.episodes("base", None, task, [EpisodeSpec(prompt, 0), EpisodeSpec(prompt, 1)], group_size=2,
+                            sampling=SamplingConfig(temperature=1.0, max_new_tokens=8), max_total_tokens=512,
+                            tool_timeout=10.0)
+    policy = vlm.policy.vlm
+    start, pad, end = policy.processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    for ep in episodes:
+        assert ep.image_ids == [image_id(draw_png(prompt.metadata))] and sum(ep.loss_mask) > 0
+        first, last = ep.token_ids.index(start), ep.token_ids.index(end)
+        assert last - first > 1 and set(ep.token_ids[first + 1 : last]) == {pad}
+        assert all(m == 0 for t, m in zip(ep.token_ids, ep.loss_mask) if t in policy.banned_ids)
+        sample = VisualSample(ep.token_ids, ep.loss_mask, ep.behavior_logprobs, ep.image_ids, policy.fingerprint, "", "")
+        assert torch.allclose(policy.logprobs(sample), torch.tensor(ep.behavior_logprobs), atol=1e-4, rtol=0)

@@ -1,7 +1,8 @@
-"""A vision-language policy served over HTTP (the real tiny Idefics3 on uvicorn at 127.0.0.1, the real `openai`
-client): a multi-turn visual episode (an image in the prompt, an image returned by a tool) recorded token-exact
-into a rollout row with its image ids, the behaviour log-probs recomputed from the stored images, streamed and
-Responses-API calls with images, and the 400s for bad images, before any compute."""
+"""A vision-language policy served over HTTP (the real tiny Idefics3, and the tiny Qwen2-VL whose patches batch
+concatenated and whose positions are M-RoPE's, on uvicorn at 127.0.0.1, the real `openai` client): a multi-turn
+visual episode (an image in the prompt, an image returned by a tool) recorded token-exact into a rollout row with
+its image ids, the behaviour log-probs recomputed from the stored images, streamed and Responses-API calls with
+images, `rlops serve` on each base, and the 400s for bad images, before any compute."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ import torch
 
 from stages.policy.sampling import SamplingConfig
 from stages.policy.vlm import VisualSample
+from stages.policy.vlm_chat import image_ref
 from stages.policy.vlm_resident import VisualResidentPolicy, load_resident
 from stages.service.external import run_agent_shard
 from stages.service.resolve import fixed_resolver
 from stages.service.service import ServiceConfig
 from storage.images import ImageStore, data_url, image_id
-from storage.schema import Rollout, from_table
+from storage.schema import Message, Rollout, from_table
 from tasks.base import AgentSpec, Prompt
 from tests.service_fixtures import client_of, serving
-from tests.stages.policy.test_vlm import image_part, png
+from tests.stages.policy.test_vlm import image_part, image_tokens, png
 
 SHOT, CROP = png((200, 0, 0)), png((0, 0, 200), (20, 50))
 TOOLS = [{"type": "function", "function": {"name": "zoom", "parameters": {  # bounded: a random model closes it
@@ -31,9 +33,13 @@ TOOLS = [{"type": "function", "function": {"name": "zoom", "parameters": {  # bo
 ZOOM = {"type": "function", "function": {"name": "zoom"}}
 
 
-@pytest.fixture(scope="module")
-def policy(tiny_vlm_dir, tmp_path_factory) -> VisualResidentPolicy:
-    resident = load_resident(str(tiny_vlm_dir), "hf", ImageStore(tmp_path_factory.mktemp("ws") / "images"))
+# The served architectures: one per layout of image tensors (Qwen2.5-VL batches as Qwen2-VL does).
+SERVED = ("idefics3", "qwen2_vl")
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def policy(request, tiny_vlm, tmp_path_factory) -> VisualResidentPolicy:
+    resident = load_resident(str(tiny_vlm(request.param)), "hf", ImageStore(tmp_path_factory.mktemp("ws") / "images"))
     assert isinstance(resident, VisualResidentPolicy)  # recognised by its config
     return resident
 
@@ -124,8 +130,8 @@ def test_a_multi_turn_visual_episode_is_recorded_token_exact_with_its_images(pol
     turns = _runs(episode.loss_mask)
     assert [b - a for a, b in turns] == episode.metadata["sampled"]
     # The image placeholders (and every other image-structure token) are prompt tokens: mask 0.
-    placeholder = vlm.processor.tokenizer.convert_tokens_to_ids("<image>")
-    assert episode.token_ids.count(placeholder) == 2 * vlm.processor.image_seq_len
+    placeholder = vlm.processor.tokenizer.convert_tokens_to_ids(vlm.processor.image_token)
+    assert episode.token_ids.count(placeholder) == image_tokens(vlm, SHOT) + image_tokens(vlm, CROP)
     assert all(m == 0 for t, m in zip(episode.token_ids, episode.loss_mask) if t in vlm.banned_ids)
     # The stored messages, rendered and tokenized by the processor itself (images from the store): the first prompt
     # token for token, and the whole conversation before the last turn as the same text (the first turn's tokens are
@@ -158,6 +164,21 @@ def test_the_stored_images_reproduce_the_behaviour_logprobs(policy, episode):
     swapped = vlm.logprobs(VisualSample(sample.token_ids, sample.loss_mask, sample.behavior_logprobs,
                                         [other, episode.image_ids[1]], vlm.fingerprint, "", "stop"))
     assert (swapped[c:d] - recorded[c:d]).abs().max() > 1e-3
+
+
+def test_prompts_of_different_lengths_showing_one_image_sample_as_each_alone(policy):
+    """One generate call left-pads its prompts (as the pipeline batches later turns that show the same images): each
+    row's recorded log-probs are what its sequence scores alone, unpadded (Qwen2-VL's M-RoPE skips the padding)."""
+    vlm, image = policy.vlm, policy.vlm.store.put(SHOT).image_id
+    prompts = [policy.chat.encode(policy.chat.render([Message("user", image_ref(image) + text)], True))
+               for text in ("Count.", "How many squares are there in this picture, and which colour is each one?")]
+    assert len(prompts[0]) < len(prompts[1])
+    samples = policy.generate("base", None, prompts, SamplingConfig(temperature=1.0, max_new_tokens=6), seed=3,
+                              images=[image])
+    for prompt, s in zip(prompts, samples):
+        sample = VisualSample(prompt + s.token_ids, [0] * len(prompt) + [1] * len(s.token_ids),
+                              [0.0] * len(prompt) + s.logprobs, [image], vlm.fingerprint, "", "stop")
+        assert torch.allclose(vlm.logprobs(sample), torch.tensor(sample.behavior_logprobs), atol=1e-4, rtol=0)
 
 
 def _recomputed_matches(policy, episode_json: dict) -> bool:
@@ -235,7 +256,8 @@ def test_a_text_only_base_loads_as_a_text_policy(tiny_model_dir, tmp_path):
     assert not isinstance(resident, VisualResidentPolicy)
 
 
-def test_rlops_serve_serves_a_vision_language_base(tmp_path, tiny_vlm_dir, image_root):
+@pytest.mark.parametrize("architecture", SERVED)
+def test_rlops_serve_serves_a_vision_language_base(tmp_path, tiny_vlm, architecture, image_root):
     import os
     import socket
     import subprocess
@@ -247,7 +269,7 @@ def test_rlops_serve_serves_a_vision_language_base(tmp_path, tiny_vlm_dir, image
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--base-model", str(tiny_vlm_dir), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--base-model", str(tiny_vlm(architecture)), "--port",
                              str(port), "--workspace", str(tmp_path / "ws"), "--image-root", str(image_root),
                              "--max-images", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
