@@ -5,7 +5,7 @@
 
 The model has SmolVLM-256M's architecture (Idefics3): the SmolLM2-135M text model, a SigLIP-B/16 vision
 tower at 512x512 (12 layers, hidden 768, 1024 patches), pixel shuffle by 4 to 64 image tokens per image,
-LoRA r=8 on the language model's attention and MLP (the vision tower frozen, as stages.policy.vlm.add_vlm_lora
+LoRA r=8 on the language model's attention and MLP (the vision tower frozen, as stages.policy.lora.add_vlm_lora
 does). Weights are random: the cost of a forward/backward pass does not depend on their values, and no
 pretrained VLM can be downloaded here.
 
@@ -53,7 +53,7 @@ def build() -> tuple:
 
     from stages.policy.lora import LoRASettings
     from stages.policy.model import prepare_default_model
-    from stages.policy.vlm import add_vlm_lora
+    from stages.policy.lora import add_vlm_lora
 
     smollm = prepare_default_model()
     tok = AutoTokenizer.from_pretrained(smollm)

@@ -254,7 +254,8 @@ def _train_visual(config: SFTConfig, ctx: StageContext, model_path: str, train: 
     """SFT of a vision-language base model (stages/update/visual_sft.py: why not TRL's SFTTrainer): a fresh
     `config.lora` on its language model (and projector, `lora.projector`), every demonstration tokenised and its
     images stored and checked before training; returns the metrics and the checkpoint's writer."""
-    from stages.policy.vlm import VLMPolicy, add_vlm_lora
+    from stages.policy.lora import add_vlm_lora
+    from stages.policy.vlm import VLMPolicy
     from stages.update.visual_sft import demonstration_sample, train_visual_sft
     from storage.images import ImageStore
 

@@ -1,4 +1,5 @@
-"""The LoRA adapter settings shared by SFT and GRPO, and a fresh adapter from them.
+"""The LoRA adapter settings shared by SFT and GRPO, and a fresh adapter from them (for a text model, and for a
+vision-language model: on its language model, optionally its projector, never its vision tower).
 
 peft is imported inside the functions, so importing this module is cheap.
 """
@@ -51,3 +52,42 @@ def add_lora(model: Any, lora: LoRASettings, seed: int = LORA_SEED) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(model, lora.peft_config())
+
+
+def add_vlm_lora(model: Any, lora: LoRASettings, seed: int | None = None) -> Any:
+    """`add_lora` for a vision-language model: the adapter goes on the language model's
+    `lora.target_modules` only; the vision tower (whose attention reuses names like q_proj: Idefics3's
+    `vision_model`, Qwen2-VL's `visual`, which also holds its merger, the projector) stays frozen, as in verl's
+    and TRL's default VLM LoRA. `lora.projector`: the projector's linear layers get one too
+    (`projector_layers`; ValueError when the model has none)."""
+    import re
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    names = "|".join(lora.target_modules)
+    target = rf"^(?!.*(vision|visual)).*\.({names})$"  # peft full-matches a string
+    if lora.projector:
+        layers = projector_layers(model)
+        if not layers:
+            raise ValueError(f"lora.projector: found no projector in {type(model).__name__} "
+                             f"(looked for linear layers under {', '.join(_PROJECTOR_NAMES)})")
+        target += "|" + "|".join(re.escape(n) for n in layers)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+                        target_modules=target)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(LORA_SEED if seed is None else seed)
+        return get_peft_model(model, config)
+
+
+# The module that maps image features into the language model's embeddings: Idefics3/SmolVLM's `connector`,
+# LLaVA-style `multi_modal_projector`, Qwen2-VL's `merger` (which sits inside its vision module).
+_PROJECTOR_NAMES = ("connector", "multi_modal_projector", "merger")
+
+
+def projector_layers(model: Any) -> list[str]:
+    """The names of the linear layers of a vision-language model's projector (`_PROJECTOR_NAMES`)."""
+    import torch
+
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and any(part in _PROJECTOR_NAMES for part in n.split("."))]

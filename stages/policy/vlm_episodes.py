@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 # add_turn and turn_seed: a visual turn is appended and seeded exactly as a text turn.
 from stages.policy.agent_loop import Episode, EpisodeSpec, add_tool_results, add_turn, call_tools, turn_seed
 from stages.policy.sampling import SamplingConfig
-from stages.policy.vlm import VLMPolicy, add_vlm_lora
+from stages.policy.lora import add_vlm_lora
+from stages.policy.vlm import VLMPolicy
 from stages.policy.vlm_chat import image_ids_of, marked_content
 from storage.images import ImageStore
 from storage.schema import Message

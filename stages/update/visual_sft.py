@@ -30,7 +30,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stages.policy.chat import difference
 from stages.policy.vlm_chat import VisualChatFormat, image_ids_of, marked_content
@@ -39,7 +39,17 @@ from storage.schema import Message
 
 if TYPE_CHECKING:
     from stages.policy.vlm import VLMPolicy
-    from stages.sft import SFTConfig
+
+
+class SFTSchedule(Protocol):
+    """What the loop reads of the SFT stage's config (`stages.sft.SFTConfig`, a layer above this one)."""
+
+    lr: float
+    epochs: float
+    max_steps: int | None
+    batch_size: int
+    grad_accum: int
+    seed: int
 
 
 def demonstration_sample(policy: VLMPolicy, conversation: list[dict[str, Any]], max_length: int) -> Sample:
@@ -94,7 +104,7 @@ def demonstration_loss(model: Any, samples: list[Sample], batch_size: int) -> fl
     return total / max(tokens, 1)
 
 
-def train_visual_sft(model: Any, train: list[Sample], held_out: list[Sample], config: SFTConfig,
+def train_visual_sft(model: Any, train: list[Sample], held_out: list[Sample], config: SFTSchedule,
                      log: Callable[[int, dict[str, float]], None]) -> dict[str, float]:
     """Train `model`'s LoRA on `train` as `config` says (epochs or max_steps, lr, batch_size x grad_accum per
     optimizer step); `log(step, row)` gets each step's loss, learning rate and gradient norm. Returns the text
@@ -131,7 +141,7 @@ def train_visual_sft(model: Any, train: list[Sample], held_out: list[Sample], co
     return metrics
 
 
-def _step_indices(n: int, config: SFTConfig) -> list[list[int]]:
+def _step_indices(n: int, config: SFTSchedule) -> list[list[int]]:
     """The demonstrations of each optimizer step: every epoch a fresh shuffle (from `config.seed`), cut into
     steps of batch_size x grad_accum (the last of an epoch may be smaller); `max_steps` or `epochs` of them."""
     if n == 0:

@@ -15,7 +15,8 @@ import torch
 from PIL import Image
 
 from stages.policy.sampling import SamplingConfig
-from stages.policy.vlm import VLMPolicy, add_vlm_lora, processor_fingerprint, text_content
+from stages.policy.lora import add_vlm_lora
+from stages.policy.vlm import VLMPolicy, processor_fingerprint, text_content
 from storage.images import ImageStore, data_url
 from tests.conftest import VLM_ARCHITECTURES
 
