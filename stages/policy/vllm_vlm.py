@@ -125,7 +125,7 @@ class VLLMVisionBackend:
                                  seed=base + i, logprobs=0, logit_bias=suppressed(self.vlm.banned_ids) or None)
                   for i in range(n)]
         outputs = self.engine.llm.generate([request.vllm_prompt()] * n, params,
-                                           lora_request=self.engine._lora_request, use_tqdm=False)
+                                           lora_request=self.engine.lora_request, use_tqdm=False)
         samples = []
         for out in outputs:
             check_prompt(out.prompt_token_ids, request.expected_ids)
