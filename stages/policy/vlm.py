@@ -267,15 +267,41 @@ class VLMPolicy:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype="float32").eval()
         return cls(model, load_processor(Path(path)), store)
 
-    def prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
-        """The generation prompt's token ids (image placeholders expanded) and the ids of its images, each
-        validated and stored first (ValueError naming a bad image before any compute)."""
+    @classmethod
+    def without_weights(cls, path: str | Path, store: ImageStore) -> VLMPolicy:
+        """The policy's processor side only (`model` None): prompts, pixel inputs and recorded samples, for a
+        generator that holds the weights itself (stages/policy/vllm_vlm.py). The EOS and image-structure ids
+        come from the saved config and generation config, as `load` takes them from the model."""
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(path)
+        if not is_vision_language(config):
+            raise ValueError(f"{path} is not a vision-language model (its config has no vision_config)")
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: the tokenizer's EOS
+            generation = None
+        policy = cls(SimpleNamespace(config=config, generation_config=generation), load_processor(Path(path)), store)
+        policy.model = None
+        return policy
+
+    def render(self, messages: list[dict[str, Any]]) -> tuple[str, list[Any], list[str]]:
+        """The generation prompt's text (one input placeholder per image, as the chat template writes it), its
+        images decoded (RGB PIL) and their ids, each validated and stored first (ValueError naming a bad image
+        before any compute)."""
         chat, images = split_images(messages)
         refs = [self.store.put(data) for data in images]
         text = self.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        pil = [_decode(data) for data in images]
+        return text, [_decode(data) for data in images], [r.image_id for r in refs]
+
+    def prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
+        """The generation prompt's token ids (image placeholders expanded by the processor) and the ids of its
+        images (`render`)."""
+        text, pil, image_ids = self.render(messages)
         enc = self.processor(text=[text], images=[pil] if pil else None, add_special_tokens=False)
-        return list(enc["input_ids"][0]), [r.image_id for r in refs]
+        return list(enc["input_ids"][0]), image_ids
 
     def vision_inputs(self, image_ids: list[str], processor: str | None = None) -> VisionInputs:
         """The pixel inputs of one sequence's images (no tensors for none), rebuilt from the stored bytes; ValueError
@@ -318,9 +344,11 @@ class VLMPolicy:
             )  # (n, P + new); greedy at temperature 0, else our inverse-CDF sampler's pick
             new = out[:, len(prompt):]
             logprobs = recorder.finish(new[:, -1])  # (n, new)
-        return [self._sample(prompt, image_ids, row, lps) for row, lps in zip(new.tolist(), logprobs.tolist())]
+        return [self.record(prompt, image_ids, row, lps) for row, lps in zip(new.tolist(), logprobs.tolist())]
 
-    def _sample(self, prompt: list[int], image_ids: list[str], new: list[int], lps: list[float]) -> VisualSample:
+    def record(self, prompt: list[int], image_ids: list[str], new: list[int], lps: list[float]) -> VisualSample:
+        """One sampled turn as recorded: `new` (the sampled ids, cut after the first EOS) and their log-probs
+        `lps` after `prompt` (the expanded prompt ids, loss_mask 0)."""
         end = next((i + 1 for i, t in enumerate(new) if t in self.eos_ids), None)
         sampled = new[:end]
         return VisualSample(

@@ -51,7 +51,11 @@ def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, task:
     supported). The one list the config check and the stages refuse by, before any compute."""
     problems = []
     if backend != "hf":
-        problems.append(f"rollout.backend {backend!r} (visual episodes are generated with transformers: use hf)")
+        # stages/policy/vllm_vlm.py generates a VLM turn on vLLM, but the episodes (ResidentVLM) do not use it yet,
+        # and no GPU has run it.
+        problems.append(f"rollout.backend {backend!r} (visual episodes are generated with transformers: use hf; "
+                        "the vLLM generator of a VLM turn, stages/policy/vllm_vlm.py, is not wired into the "
+                        "episodes yet)")
     if rollout_workers > 1:
         problems.append(f"rollout.workers {rollout_workers} (Ray rollout actors; use 1)")
     if task is not None and task.agent is not None:
