@@ -75,14 +75,22 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
+# How often Ray Train's controller looks at its workers (Ray's default: 2 s). A GRPO update is one short
+# `fit()` per step, whose end the controller sees only at its next look: measured on 2 CPUs with the tiny test
+# model, 2 workers, 0.2 s took each step's update from ~20 s to ~15 s. Each look is one small actor call.
+TRAIN_POLL_S = "0.2"
+
+
 def runtime_env(config: RayConfig) -> dict[str, Any]:
     """The runtime_env given to Ray: the configured one, plus the rlops packages when `ship_code`,
-    plus `GLOO_SOCKET_IFNAME=lo` on a loopback cluster (gloo otherwise binds the hostname's address)."""
+    plus `GLOO_SOCKET_IFNAME=lo` on a loopback cluster (gloo otherwise binds the hostname's address),
+    plus Ray Train's controller polling every `TRAIN_POLL_S` (unless configured)."""
     env = dict(config.runtime_env)
+    env_vars = dict(env.get("env_vars", {}))
+    env_vars.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)
     if config.address is None or _loopback(_host(config.address)):
-        env_vars = dict(env.get("env_vars", {}))
         env_vars.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env["env_vars"] = env_vars
+    env["env_vars"] = env_vars
     if config.ship_code and config.address:
         import importlib
 
