@@ -2,8 +2,8 @@
 
 `run_ws` (package scope, built once): `rlops run` on the tiny model with its temporary Prefect server
 (state in the workspace), then `rlops retrain` with an edited reward and an added judge-like reward
-(new versions to diff, explanations to show, a retrain branch), plus a batch of hand-built
-tool-calling episodes (a random tiny model makes no tool calls). Model and tool text carries
+(new versions to diff, explanations to show, a retrain branch) and the same retrain again (`--json`),
+plus a batch of hand-built tool-calling episodes (a random tiny model makes no tool calls). Model and tool text carries
 `<script>alert(1)</script>` and rich markup, which must come out as text.
 """
 
@@ -24,6 +24,7 @@ from storage.workspace import Workspace
 from tests.flows.conftest import tiny_config
 
 RUN = "insp"
+RETRAINED = "retrained.json"  # beside the workspace: what `rlops retrain` printed, and what came before it
 XSS = "<script>alert(1)</script>"
 MARKUP = "[bold red]not markup[/bold red]"
 JUDGE = '''
@@ -95,8 +96,15 @@ def run_ws(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Wo
     (tmp / "edited.yaml").write_text(yaml.safe_dump(edited))
     ws = Workspace.open(ws_dir)
     sft = next(c["policy_id"] for c in ws.catalog.checkpoints(RUN) if c["kind"] == "sft")
-    out = cli(ws_dir, "retrain", str(tmp / "edited.yaml"), "--run", RUN, "--from", sft)
+    rollouts = ws.query("SELECT count(*) AS n FROM rollouts").to_pylist()[0]["n"]
+    retrain = ("retrain", str(tmp / "edited.yaml"), "--run", RUN, "--from", sft)
+    out = cli(ws_dir, *retrain)
     assert out.returncode == 0, out.stderr[-3000:]
+    parent = ws.catalog.get_run(f"{RUN}-retrain")["mlflow_run_id"]  # the retrain's MLflow parent run
+    again = cli(ws_dir, *retrain, "--json")  # a rerun: every stage found in the catalog
+    assert again.returncode == 0, again.stderr[-3000:]
+    (tmp / RETRAINED).write_text(json.dumps({"config": edited, "from": sft, "rollouts_before": rollouts,
+                                             "mlflow_parent": parent, "stdout": out.stdout, "again": again.stdout}))
     _tool_run(ws, tiny_model_dir, judge_file)
     return ws
 
