@@ -86,13 +86,24 @@ def kill(proc: subprocess.Popen, *, group: bool) -> None:
     proc.wait()
 
 
+def start_run(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `argv` (an `rlops` run to be killed mid-way) in a session of its own, so killing its group
+    kills the servers it started too; its stdout and stderr go to `log`, which `wait_until(..., log=log)`
+    quotes if it exits before it could be killed."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
+
+
 def wait_until(ready: Callable[[], T], proc: subprocess.Popen, what: str, timeout: float = 300.0,
-               every: float = 0.05) -> T:
+               every: float = 0.05, log: Path | None = None) -> T:
     """Poll `ready()` until it is truthy and return it; fail if `proc` exits first (it ended before
-    `what`: a kill-and-rerun test would kill nothing) or after `timeout` s."""
+    `what`: a kill-and-rerun test would kill nothing; the end of its `log` is quoted) or after `timeout` s."""
     deadline = time.monotonic() + timeout
     while not (found := ready()):
-        assert proc.poll() is None, f"the process exited ({proc.returncode}) before {what}"
+        if proc.poll() is not None:
+            tail = log.read_bytes()[-3000:].decode(errors="replace") if log and log.exists() else "(no log)"
+            raise AssertionError(f"the process exited ({proc.returncode}) before {what}:\n{tail}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(every)
     return found

@@ -16,7 +16,7 @@ from flows.run_config import from_dict
 from stages.common import StageContext
 from storage.workspace import Workspace
 from tests.flows.test_async import async_config
-from tests.processes import kill, wait_until
+from tests.processes import kill, start_run, wait_until
 
 
 def _state(ws: Workspace) -> dict[str, object]:
@@ -46,8 +46,7 @@ def test_async_run_killed_midflight_resumes_to_the_uninterrupted_artifacts(tmp_p
     cfg_path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "flows.cli", "run", str(cfg_path), "--workspace", str(ws_dir)]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_HOME"}
-    # its own process group: the temporary Prefect server it starts is killed with it
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = start_run(cmd, tmp_path / "killed.log", env)  # killing its group kills its temporary Prefect server
     snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the flow holds the catalog
 
     def grpo_checkpoints() -> int:
@@ -55,7 +54,7 @@ def test_async_run_killed_midflight_resumes_to_the_uninterrupted_artifacts(tmp_p
 
     # step 0 trained; batches 1 and 2 are being (or have been) generated
     wait_until(lambda: grpo_checkpoints() >= 1, proc, "the first GRPO checkpoint (it ended before it could be killed)",
-               timeout=900, every=0.2)
+               timeout=900, every=0.2, log=tmp_path / "killed.log")
     kill(proc, group=True)
     assert grpo_checkpoints() < steps
 
