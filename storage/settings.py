@@ -25,6 +25,12 @@ NO_TELEMETRY = {
 }
 
 
+def cache_dir() -> Path:
+    """rlops' machine-wide cache (the default model, fingerprints, the empty MLflow database): `RLOPS_CACHE`,
+    default `~/.cache/rlops`."""
+    return Path(os.environ.get("RLOPS_CACHE", Path.home() / ".cache" / "rlops")).expanduser()
+
+
 def no_telemetry() -> None:
     """Switch the libraries' usage reports off (NO_TELEMETRY), before they are imported: each reads its
     switch once, at import or at start-up. Called where rlops first uses each of them."""

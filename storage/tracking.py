@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import errno
 import math
+import os
+import shutil
 import sqlite3
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,6 +40,36 @@ def metric_key(name: str) -> str:
     name = name.replace("@", "_at_")
     return "".join(c if c.isalnum() or c in "_-. :/" else "_" for c in name)
 
+def _new_database(db: Path) -> None:
+    """Create the SQLite database `db` as a copy of an empty MLflow database (every table made, every schema
+    migration run) kept per MLflow version in rlops' cache. MLflow's own creation runs each migration:
+    measured ~0.7 s of CPU per new workspace, a copy ~0.02 s. MLflow opens the copy as it opens any database
+    at its current schema. Linked into place, so a database another process made meanwhile is kept."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from storage.settings import cache_dir
+
+    template = cache_dir() / "mlflow" / f"empty-{mlflow.__version__}.db"
+    if not template.exists():
+        template.parent.mkdir(parents=True, exist_ok=True)
+        made = template.with_name(f".{template.name}.{uuid.uuid4().hex[:8]}.tmp")
+        MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()  # creates and migrates it
+        os.replace(made, template)
+    db.parent.mkdir(parents=True, exist_ok=True)
+    copy = db.with_name(f".{db.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        shutil.copyfile(template, copy)
+        try:
+            os.link(copy, db)
+        except FileExistsError:
+            pass
+    except OSError as e:
+        raise WriteError(e.errno or errno.EIO, f"cannot write {db}: {e.strerror or e}") from e
+    finally:
+        copy.unlink(missing_ok=True)
+
+
 class Tracker:
     """Creates and logs MLflow runs for one experiment."""
 
@@ -47,6 +80,8 @@ class Tracker:
         # The database file a failed write names (None for a remote tracking server).
         self.db_path = tracking_uri.removeprefix("sqlite:///") if tracking_uri.startswith("sqlite:///") else None
         with self._writing():
+            if self.db_path and not Path(self.db_path).exists():
+                _new_database(Path(self.db_path))
             self.client = MlflowClient(tracking_uri=tracking_uri)
             found = self.client.get_experiment_by_name(experiment)
             if found is None:

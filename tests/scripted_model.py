@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.built_once import built_once
+
 SYSTEM = "You answer questions with the tools."
 QUESTION = "When was Vexhollow Dynamics founded?"
 CALL = {"name": "search", "arguments": {"query": "Vexhollow"}}
@@ -75,5 +77,6 @@ def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-
 
 @pytest.fixture(scope="session")
 def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model folder whose greedy answer to the scripted question is the scripted tool call."""
-    return train_scripted(tiny_model_dir, tmp_path_factory.mktemp("scripted"))
+    """A tiny model folder whose greedy answer to the scripted question is the scripted tool call (trained
+    once per test run: every xdist worker reads the same folder)."""
+    return built_once(tmp_path_factory, "scripted", lambda out: train_scripted(tiny_model_dir, out))

@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.policy.model import DONE_MARKER, cache_dir, prepare_default_model
+from stages.policy.model import DONE_MARKER, prepare_default_model
 from stages.policy.small_vlm import VisionTower, assemble_vlm, save_vlm, text_logit_gap
 from stages.policy.vlm import split_images
+from storage.settings import cache_dir
 from tasks import count_shapes
 
 NAME = "SmolVLM-SmolLM2-135M-shapes"

