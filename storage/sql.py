@@ -27,7 +27,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from storage.catalog import DDL
+from storage.catalog import DDL, read_snapshot
 from storage.images import IMAGES
 from storage.parquet import DataStore
 from storage.schema import TABLES
@@ -61,8 +61,10 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
     data = DataStore(settings.data_root)
     for table in DDL:
         snap = settings.snapshot_dir / f"{table}.parquet"
-        if snap.exists():
-            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [str(snap)])
+        if snap.exists():  # not DuckDB's read_parquet: it opens the file twice, and a run may replace it between
+            con.register("_snapshot", read_snapshot(snap))
+            con.execute(f"CREATE TABLE {table} AS SELECT * FROM _snapshot")
+            con.unregister("_snapshot")
         else:
             con.execute(f"CREATE TABLE {table} ({DDL[table]})")
     for kind, schema in TABLES.items():

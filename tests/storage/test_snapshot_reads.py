@@ -1,4 +1,4 @@
-"""Catalog snapshots read while a run rewrites them (storage.catalog.read_snapshot)."""
+"""Catalog snapshots read while a run rewrites them (storage.catalog.read_snapshot, and the SQL views built on them)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,36 @@ def test_a_snapshot_read_during_replacement_is_one_whole_version(tmp_path):
     assert reads > 100 and errors == [], errors[:3]
     control_reads, control_errors = _hammer(path, lambda p: pq.read_table(p), seconds=10.0, until_error=True)
     assert control_errors, "pq.read_table never tore: the race was not exercised"
+
+
+def test_the_sql_views_read_a_snapshot_being_replaced_whole(tmp_path):
+    """`open_views` (every `ws.query`, `rlops sql`, `rlops inspect`) loads the catalog tables from the snapshots.
+    DuckDB's read_parquet also opens a file twice: an asynchronous run's training thread querying while its
+    generation thread rewrote a snapshot failed with "TProtocolException: Invalid data" (a suite run, stop 39)."""
+    import duckdb
+
+    from storage.sql import open_views
+    from storage.workspace import Workspace
+
+    settings = Workspace.open(tmp_path / "ws").settings
+    path = settings.snapshot_dir / "checkpoints.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def through_views(_):
+        views = open_views(settings)
+        try:
+            return views.con.sql("SELECT kind, x FROM checkpoints").to_arrow_table()
+        finally:
+            views.con.close()
+
+    def through_read_parquet(p):
+        with duckdb.connect(":memory:") as con:
+            try:
+                return con.sql(f"SELECT * FROM read_parquet('{p}')").to_arrow_table()
+            except duckdb.Error as e:
+                raise OSError(str(e)) from e
+
+    reads, errors = _hammer(path, through_views)
+    assert reads > 20 and errors == [], errors[:3]
+    _, control_errors = _hammer(path, through_read_parquet, seconds=10.0, until_error=True)
+    assert control_errors, "read_parquet never tore: the race was not exercised"
