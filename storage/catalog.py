@@ -65,6 +65,7 @@ class Published:
 _CONNECTION_LOCK = threading.RLock()  # re-entrant: a catalog method may query inside another's connection
 _ALIAS = "rlops_catalog"  # the catalog file's name while attached
 _home: tuple[int, duckdb.DuckDBPyConnection] | None = None  # (pid, this process's in-memory DuckDB)
+_attached: tuple[Path, bool] | None = None  # (file, write) attached now: a nested call on it gets a cursor of its own
 
 
 def _home_db() -> duckdb.DuckDBPyConnection:
@@ -74,9 +75,9 @@ def _home_db() -> duckdb.DuckDBPyConnection:
     artifact, file and stage (~500 in a three-step test run, ~6 s of CPU with a connection each). One thread:
     catalog queries are small, and no DuckDB worker threads exist to be lost in a forked child, which makes its
     own (`_home` is keyed by process id)."""
-    global _home
+    global _home, _attached
     if _home is None or _home[0] != os.getpid():
-        _home = (os.getpid(), duckdb.connect(":memory:", config={"threads": 1}))
+        _home, _attached = (os.getpid(), duckdb.connect(":memory:", config={"threads": 1})), None
     return _home[1]
 
 
@@ -96,11 +97,18 @@ class Catalog:
         thread both record stages, and DuckDB refuses a read-only and a read-write connection to one file
         open together in a process (and two snapshot writes of one table would race). The file is open
         (and locked against other processes) only inside this block."""
+        global _attached
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with _CONNECTION_LOCK:
             home = _home_db()
-            quoted = str(self.path).replace("'", "''")
-            home.execute(f"ATTACH '{quoted}' AS {_ALIAS}" + ("" if write else " (READ_ONLY)"))
+            outer = _attached
+            if outer is None:
+                quoted = str(self.path).replace("'", "''")
+                home.execute(f"ATTACH '{quoted}' AS {_ALIAS}" + ("" if write else " (READ_ONLY)"))
+                _attached = (self.path, write)
+            elif outer[0] != self.path or (write and not outer[1]):  # inside another call's connection
+                raise RuntimeError(f"a catalog connection to {self.path} (write={write}) cannot open inside one to "
+                                   f"{outer[0]} (write={outer[1]})")
             con = home.cursor()
             try:
                 con.execute(f"USE {_ALIAS}")
@@ -111,7 +119,9 @@ class Catalog:
                 yield con
             finally:
                 con.close()  # rolls back a transaction left open by an error
-                home.execute(f"DETACH {_ALIAS}")
+                if outer is None:
+                    _attached = None
+                    home.execute(f"DETACH {_ALIAS}")
 
     def _write(self, tables: list[str], statements: list[tuple[str, list[Any]]]) -> None:
         with self.connect() as con:

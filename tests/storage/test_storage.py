@@ -115,3 +115,28 @@ def test_write_artifacts_publishes_several_at_once_and_reward_table_matches_reco
     assert got == [{"reward_name": "m", "value": 1.0, "details": '{"k": [1, 2]}', "error": None},
                    {"reward_name": "m", "value": None, "details": None, "error": "ValueError: bad"},
                    {"reward_name": "n", "value": 0.5, "details": '{"pre": "encoded"}', "error": None}]
+
+
+def test_the_catalog_file_is_open_only_inside_a_call_and_calls_nest(ws):
+    """Catalog calls attach the file to one in-memory DuckDB per process and detach it after: between calls
+    another process can write it (DuckDB allows one writing process per file), and a call made inside
+    another's connection (the lock is re-entrant) reads the same attached file."""
+    import subprocess
+    import sys
+
+    add_batch(ws, "ro-open", groups=1, size=2, reward_version=None)
+    with ws.catalog.connect() as con:
+        assert con.execute("SELECT count(*) FROM artifacts").fetchone()[0] == 1
+        assert ws.catalog.get_artifact("ro-open")["rows"] == 2  # nested: a cursor of its own on the same file
+        other = subprocess.run([sys.executable, "-c", "import duckdb, sys; duckdb.connect(sys.argv[1])",
+                                str(ws.catalog.path)], capture_output=True, text=True)
+        assert other.returncode != 0 and "lock" in other.stderr  # held while a call is inside
+    with ws.catalog.connect(write=False):
+        with pytest.raises(RuntimeError, match="cannot open inside one"):
+            with ws.catalog.connect(write=True):  # writing inside a read-only call: refused, not a DuckDB error
+                pass
+    script = "import duckdb, sys; c = duckdb.connect(sys.argv[1]); c.execute('CREATE TABLE written_by_another (x INT)')"
+    subprocess.run([sys.executable, "-c", script, str(ws.catalog.path)], check=True)
+    assert ws.catalog.get_artifact("ro-open")["rows"] == 2  # and this process attaches it again after
+    with ws.catalog.connect(write=False) as con:
+        assert con.execute("SELECT count(*) FROM written_by_another").fetchone()[0] == 0
