@@ -85,7 +85,7 @@ def test_the_sql_views_read_a_snapshot_being_replaced_whole(tmp_path):
             except duckdb.Error as e:
                 raise OSError(str(e)) from e
 
-    reads, errors = _hammer(path, through_views, seconds=3.0)  # each builds every view: ~50 ms alone, more in a busy suite
+    reads, errors = _hammer(path, through_views, seconds=3.0)  # each builds every view: ~50 ms alone, more in a suite
     assert reads >= 5 and errors == [], errors[:3]
     _, control_errors = _hammer(path, through_read_parquet, seconds=10.0, until_error=True)
     assert control_errors, "read_parquet never tore: the race was not exercised"
