@@ -29,7 +29,8 @@ class WriteError(OSError):
     """A write failed; the message names the final path and the reason (e.g. 'No space left on device')."""
 
 
-def _fail(path: Path | str, e: OSError) -> WriteError:
+def write_error(path: Path | str, e: OSError) -> WriteError:
+    """`e` as a WriteError naming `path` and the reason."""
     reason = e.strerror or (os.strerror(e.errno) if e.errno else str(e))
     return WriteError(e.errno or errno.EIO, f"cannot write {path}: {reason}")
 
@@ -60,7 +61,7 @@ def atomic_file(path: Path | str, mode: str = "wb") -> Iterator[IO[Any]]:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise (e if isinstance(e, WriteError) else _fail(path, e)) from e
+        raise (e if isinstance(e, WriteError) else write_error(path, e)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -103,7 +104,7 @@ def atomic_dir(final: Path | str) -> Iterator[Path]:
         os.replace(tmp, final)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise (e if isinstance(e, WriteError) else _fail(final, e)) from e
+        raise (e if isinstance(e, WriteError) else write_error(final, e)) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

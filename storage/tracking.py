@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import unquote, urlparse
 
-from storage.atomic import WriteError
+from storage.atomic import WriteError, write_error
 from storage.settings import no_telemetry
 
 no_telemetry()  # before mlflow is first imported: it reads its switch then
@@ -39,6 +39,7 @@ def metric_key(name: str) -> str:
     MLflow refuses (it takes letters, digits, "_", "-", ".", " ", ":" and "/") becomes "_"."""
     name = name.replace("@", "_at_")
     return "".join(c if c.isalnum() or c in "_-. :/" else "_" for c in name)
+
 
 def _new_database(db: Path) -> None:
     """Create the SQLite database `db` as a copy of an empty MLflow database (every table made, every schema
@@ -65,7 +66,7 @@ def _new_database(db: Path) -> None:
         except FileExistsError:
             pass
     except OSError as e:
-        raise WriteError(e.errno or errno.EIO, f"cannot write {db}: {e.strerror or e}") from e
+        raise write_error(db, e) from e
     finally:
         copy.unlink(missing_ok=True)
 

@@ -46,7 +46,8 @@ def test_async_run_killed_midflight_resumes_to_the_uninterrupted_artifacts(tmp_p
     cfg_path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "flows.cli", "run", str(cfg_path), "--workspace", str(ws_dir)]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_HOME"}
-    proc = start_run(cmd, tmp_path / "killed.log", env)  # killing its group kills its temporary Prefect server
+    log = tmp_path / "killed.log"
+    proc = start_run(cmd, log, env)  # killing its group kills its temporary Prefect server
     snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the flow holds the catalog
 
     def grpo_checkpoints() -> int:
@@ -54,7 +55,7 @@ def test_async_run_killed_midflight_resumes_to_the_uninterrupted_artifacts(tmp_p
 
     # step 0 trained; batches 1 and 2 are being (or have been) generated
     wait_until(lambda: grpo_checkpoints() >= 1, proc, "the first GRPO checkpoint (it ended before it could be killed)",
-               timeout=900, every=0.2, log=tmp_path / "killed.log")
+               timeout=900, every=0.2, log=log)
     kill(proc, group=True)
     assert grpo_checkpoints() < steps
 

@@ -153,15 +153,15 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
     runs_snapshot = ws_dir / "catalog" / "runs.parquet"
     client = MlflowClient(tracking_uri=f"sqlite:///{ws_dir / 'mlflow.db'}")
 
-    driver = start_run(cmd, tmp_path / "driver.log", env)
+    log = tmp_path / "driver.log"
+    driver = start_run(cmd, log, env)
     server = watchdog = None
     try:
         server, watchdog = _server_and_watchdog(driver)
         wait_until(lambda: snapshot.exists() and "grpo" in pq.read_table(snapshot)["kind"].to_pylist(), driver,
-                   "the first GRPO checkpoint", timeout=900, every=0.2, log=tmp_path / "driver.log")
+                   "the first GRPO checkpoint", timeout=900, every=0.2, log=log)
         gate.touch()  # the next stage that scores holds
-        wait_until(held.exists, driver, "a stage held by the gated reward", timeout=900, every=0.2,
-                   log=tmp_path / "driver.log")
+        wait_until(held.exists, driver, "a stage held by the gated reward", timeout=900, every=0.2, log=log)
         parent = pq.read_table(runs_snapshot).to_pylist()[0]["mlflow_run_id"]
         held_stages = {r.info.run_id: r.data.tags["rlops.artifact_id"] for r in _children(client, parent, "RUNNING")}
         kill(driver, group=False)  # the driver only, as the OOM killer does
