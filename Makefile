@@ -22,7 +22,7 @@ WORKERS ?= 3
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup model small-vlm browser js test demo bench newest clean
+.PHONY: setup model test-model small-vlm browser js test demo bench newest clean
 
 setup: $(STAMP)
 
@@ -54,8 +54,16 @@ $(JS)/node_modules/.package-lock.json: $(JS)/package-lock.json
 	@if command -v npm >/dev/null 2>&1; then cd $(JS) && npm ci --no-audit --no-fund; \
 		else echo "npm not found: $(JS) is not installed (its test will be skipped)"; fi
 
-test: model browser js
-	$(LOOPBACK) $(VENV)/bin/pytest -n $(WORKERS) $(TESTS)
+# The tests read only what `make test` builds: a model cache of their own (RLOPS_CACHE, under the repo's
+# gitignored .cache/) and an empty HOME made for each run. So a test that reads a developer's leftovers
+# (~/.cache/rlops, a model `make small-vlm` built) fails on every machine, not only on a new one.
+TEST_CACHE := $(CURDIR)/.cache/rlops
+
+test-model: setup
+	RLOPS_CACHE=$(TEST_CACHE) $(LOOPBACK) $(VENV)/bin/rlops model prepare
+
+test: test-model browser js
+	HOME=$$(mktemp -d /tmp/rlops-test-home.XXXXXX) RLOPS_CACHE=$(TEST_CACHE) $(LOOPBACK) $(VENV)/bin/pytest -n $(WORKERS) $(TESTS)
 
 # The small vision-language model for CPU (SmolLM2-135M in SmolVLM's architecture, a small vision tower trained
 # here on count_shapes; examples/vision/build_small_vlm.py) into $RLOPS_CACHE/models; a no-op once built.

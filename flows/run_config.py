@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flows.config import ConfigError, load_config, validate
 from stages.cluster import RayConfig
@@ -91,6 +91,13 @@ class RunConfig(BaseModel):
     mlflow_models: Literal["final", "all"] = "final"
     ray: RayConfig = RayConfig()  # where rollout, score and GRPO workers run (stages/cluster.py)
 
+    @field_validator("base_model")
+    @classmethod
+    def _cache_folder(cls, value: str) -> str:
+        from stages.policy.model import expand_cache
+
+        return expand_cache(value)  # `$RLOPS_CACHE/models/...`: a model a make target built in the cache
+
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
@@ -120,6 +127,7 @@ class RunConfig(BaseModel):
 
 def semantic_problems(cfg: RunConfig) -> list[str]:
     """Checks that need more than types: loadable task and rewards, files that exist, consistent sections."""
+    from rewards.base import task_problems
     from stages.policy.model import DEFAULT_MODEL
     from tasks.base import TaskParamsError, load_task
 
@@ -141,13 +149,25 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"train_reward: {cfg.reward_name!r} is not one of the score rewards {sorted(names)}")
         if cfg.eval.metric and cfg.eval.metric not in names:
             problems.append(f"eval.metric: {cfg.eval.metric!r} is not one of the score rewards {sorted(names)}")
+        problems += [f"score.rewards.{spec.name}: {p}" for spec in cfg.score.rewards
+                     for p in task_problems(spec, cfg.task.name, cfg.task.params)]
     except Exception as e:  # noqa: BLE001
         problems.append(f"score.rewards: {type(e).__name__}: {e}")
     if cfg.sft and cfg.sft.data != "oracle" and not Path(cfg.sft.data).expanduser().exists():
         problems.append(f"sft.data: file not found: {cfg.sft.data}")
     if cfg.base_model != DEFAULT_MODEL and cfg.base_model.startswith((".", "/", "~")) and not Path(cfg.base_model).expanduser().exists():
-        problems.append(f"base_model: folder not found: {cfg.base_model}")
+        # Whatever the task asks of the model cannot be checked without it: the folder is the one problem.
+        return problems + [f"base_model: folder not found: {cfg.base_model}{_build_hint(cfg.base_model)}"]
     return problems + vision_language_problems(cfg, task)
+
+
+def _build_hint(base_model: str) -> str:
+    """How to make a missing model folder that rlops itself builds (the small VLM); empty for any other."""
+    from stages.policy import small_vlm
+
+    if Path(base_model).name != small_vlm.NAME:
+        return ""
+    return f" (`{small_vlm.BUILD_COMMAND}` builds it there; examples/vision/build_small_vlm.py --out DIR elsewhere)"
 
 
 def vision_language_problems(cfg: RunConfig, task: Task | None) -> list[str]:

@@ -62,11 +62,16 @@ class RewardInfo:
     unversioned: tuple[str, ...] = ()  # operational params (timeouts, cache dirs) that cannot change values
     tokens: bool = False  # reads token_ids/loss_mask/behavior_logprobs (the score stage loads them only then)
     files: tuple[str, ...] = ()  # data files whose content is part of the version
+    # (task name, task params, the reward's params) -> problems: what a config check can know about the reward
+    # and its task before any rollout exists (rewards.reasoning_gym: a verifier of another dataset). Not part of
+    # the version: it never changes a value.
+    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None
 
 
 def _declare(
     kind: Literal["rollout", "group"], low: float, high: float, uses: Sequence[Any], unversioned: Sequence[str],
     tokens: bool = False, files: Sequence[str | PathLike[str]] = (),
+    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
 ) -> Callable[[F], F]:
     if not low <= high:
         raise ValueError(f"reward range is empty: low={low} > high={high}")
@@ -74,7 +79,8 @@ def _declare(
     def mark(fn: F) -> F:
         # The function itself is returned (not a wrapper), so it stays a plain, callable, testable function.
         fn.__reward__ = RewardInfo(  # type: ignore[attr-defined]
-            kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files)
+            kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files),
+            task_check,
         )
         return fn
 
@@ -84,6 +90,7 @@ def _declare(
 def reward(
     low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
     files: Sequence[str | PathLike[str]] = (),
+    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
 ) -> Callable[[F], F]:
     """Declare `fn(rollout, **params) -> float | (float, dict)` a reward with values in [low, high].
 
@@ -95,8 +102,10 @@ def reward(
     names that do not affect values (timeouts, cache dirs) and so stay out of the version. `tokens`: the
     reward reads the token lists (token_ids, loss_mask, behavior_logprobs); rescoring loads them only for
     such rewards, since turning ~300 token ids per rollout into Python objects would dominate its cost.
+    `task_check(task_name, task_params, params) -> [problem, ...]`: a mismatch between the reward's params
+    and the run's task that config validation reports before any compute (`task_problems`).
     """
-    return _declare("rollout", low, high, uses, unversioned, tokens, files)
+    return _declare("rollout", low, high, uses, unversioned, tokens, files, task_check)
 
 
 def group_reward(
@@ -244,6 +253,12 @@ def fn_version(fn: Callable[..., Any], params: dict[str, Any]) -> str:
 def reward_version(spec: RewardSpec) -> str:
     """The `reward_version` of a spec (ValueError if the spec cannot be loaded)."""
     return fn_version(load_fn(spec.fn), spec.params)
+
+
+def task_problems(spec: RewardSpec, task_name: str, task_params: dict[str, Any]) -> list[str]:
+    """What the reward's own `task_check` finds wrong with `spec` on this task (empty without a check)."""
+    check_task = info(load_fn(spec.fn)).task_check
+    return [] if check_task is None else check_task(task_name, task_params, spec.params)
 
 
 def fill_params(spec: RewardSpec, **context: Any) -> RewardSpec:

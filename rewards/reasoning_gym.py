@@ -2,13 +2,18 @@
 
     score:
       rewards:
-        - {name: correct, fn: rewards.reasoning_gym.score_answer, params: {dataset: chain_sum, config: {...}}}
+        - {name: correct, fn: rewards.reasoning_gym.score_answer}      # the verifier of the rollout's own dataset
 
-The dataset and its config are the reward's params, so they are part of its version, next to the
-installed reasoning-gym's version (the reach records it as a library): a changed config or library
-gives a new reward version. They must be the task's (`task.params.dataset` and `.config`; a YAML
-anchor writes them once, see configs/reasoning_gym.yaml); a rollout of another dataset or config is
-an error row, never a score under the wrong verifier.
+With no params the reward verifies each rollout with its own dataset and config, read from the rollout's
+metadata (tasks/reasoning_gym.py stores them), so swapping `task.params.dataset` is the only edit a run
+needs. That is as reproducible as naming them: the rollout batch id covers the task's params, and the
+reward's version covers the installed reasoning-gym's version (its reach records it as a library).
+
+`dataset` and `config` may still be given (a reward meant for one dataset only): then they must be the
+task's. Config validation refuses a run whose reward names another dataset or config than its task
+(`_task_check`, before any compute), and a stored rollout of another dataset or config (a rescore of an
+old run) is an error row naming both, never a score under the wrong verifier; as for any reward, the score
+stage fails when more than `score.max_error_fraction` of a batch are errors.
 
 The entry is regenerated from the rollout's metadata (seed, size, index: tasks/reasoning_gym.py),
 not read back from JSON, because some verifiers compare the entry's tuples and JSON has only lists;
@@ -33,17 +38,31 @@ from storage.schema import Rollout
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-@reward(low=0.0, high=1.0)
-def score_answer(rollout: Rollout, dataset: str, config: dict[str, Any] | None = None) -> tuple[float, dict[str, Any]]:
+def _task_check(task_name: str, task_params: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """A dataset or config the reward is given must be the reasoning_gym task's (the rollouts carry the task's)."""
+    if task_name.rsplit(".", 1)[-1] != "reasoning_gym":
+        return []
+    task = {"dataset": task_params.get("dataset"), "config": task_params.get("config") or {}}
+    return [f"params.{key} is {canonical_json(params[key])}, but the task's is {canonical_json(task[key])}: "
+            f"remove it (the reward then verifies each rollout with its own {key}) or make it the task's"
+            for key in ("dataset", "config")
+            if params.get(key) is not None and canonical_json(params[key]) != canonical_json(task[key])]
+
+
+@reward(low=0.0, high=1.0, task_check=_task_check)
+def score_answer(rollout: Rollout, dataset: str | None = None,
+                 config: dict[str, Any] | None = None) -> tuple[float, dict[str, Any]]:
     """The reasoning-gym verifier's score of the final reply's answer, in [0, 1] (many verifiers give
-    partial credit). A verifier that raises on the answer (it cannot parse it) scores 0.0, with the
-    reason in details: the answer is the model's text, and text a verifier cannot read is not right."""
+    partial credit). `dataset` / `config`: None follows the rollout's own; given, the rollout must match.
+    A verifier that raises on the answer (it cannot parse it) scores 0.0, with the reason in details: the
+    answer is the model's text, and text a verifier cannot read is not right."""
     meta = rollout.metadata
-    ours = canonical_json({"dataset": dataset, "config": config or {}})
     theirs = canonical_json({"dataset": meta["dataset"], "config": meta["config"]})
+    dataset = meta["dataset"] if dataset is None else dataset
+    ours = canonical_json({"dataset": dataset, "config": meta["config"] if config is None else config})
     if ours != theirs:
         raise ValueError(f"the rollout is from reasoning-gym {theirs}, this reward verifies {ours}: "
-                         "give the reward the task's dataset and config")
+                         "give the reward the task's dataset and config, or neither")
     ds = _dataset(dataset, ours, meta["seed"], meta["size"])
     entry = ds[meta["index"]]
     question = next((m.content for m in rollout.messages if m.role == "user"), None)

@@ -20,6 +20,11 @@ import pytest
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+# The suite's own model cache (what `make test` fills; the Makefile also gives pytest an empty HOME), never a
+# developer's ~/.cache/rlops: a test that needs a model builds it or gets it from a fixture. Run directly,
+# pytest uses the same folder, and the default model is prepared there on first use.
+os.environ.setdefault("RLOPS_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "rlops"))
+
 pytest_plugins = ["tests.netguard", "tests.xdist_groups"]  # loopback only, no server outlives the suite; groups
 # Before any test module imports mlflow: storage.tracking turns MLflow's usage reports off, as it does
 # for rlops itself (stages/cluster.py does the same for Ray's); the guard catches anything else.

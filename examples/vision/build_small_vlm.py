@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from stages.policy.model import DONE_MARKER, prepare_default_model
-from stages.policy.small_vlm import VisionTower, assemble_vlm, save_vlm, text_logit_gap
+from stages.policy.small_vlm import NAME, VisionTower, assemble_vlm, save_vlm, text_logit_gap
 from stages.policy.vlm import split_images
 from storage.settings import cache_dir
 from tasks import count_shapes
 
-NAME = "SmolVLM-SmolLM2-135M-shapes"
 TASK = dict(size=64, max_count=4)  # the count_shapes task the tower is trained for (configs/visual_learn.yaml)
 
 

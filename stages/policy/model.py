@@ -73,6 +73,17 @@ def prepare_default_model(install: bool = True) -> Path:
     return target
 
 
+CACHE_VAR = "$RLOPS_CACHE"
+
+
+def expand_cache(name_or_path: str) -> str:
+    """A leading `$RLOPS_CACHE` -> rlops' cache folder (`storage.settings.cache_dir`, `~/.cache/rlops` when the
+    variable is unset), so a config can name a model a `make` target built there wherever the cache is."""
+    if name_or_path == CACHE_VAR or name_or_path.startswith(CACHE_VAR + "/"):
+        return str(cache_dir()) + name_or_path[len(CACHE_VAR):]
+    return name_or_path
+
+
 def resolve_model(name_or_path: str) -> str:
     """A model reference -> what `from_pretrained` takes.
 

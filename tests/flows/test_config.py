@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import time
@@ -42,11 +44,17 @@ def _with(**changes):
 
 
 def test_the_shipped_configs_and_a_minimal_one_are_valid(tmp_path, tiny_vlm_dir):
+    # visual.yaml names the user's VLM folder, visual_learn.yaml the one `make small-vlm` builds in $RLOPS_CACHE:
+    # both are checked with a stand-in folder, and with none each names the folder (and what builds it).
+    visual = {"visual.yaml", "visual_learn.yaml"}
     for path in Path("configs").glob("*.yaml"):
-        # visual.yaml names the user's VLM folder: checked with a real one, and with none it names the folder.
-        load_run_config(path, [f"base_model={tiny_vlm_dir}"] if path.name == "visual.yaml" else [])
-    with pytest.raises(ConfigError, match="base_model: folder not found: ./models/your-vlm"):
+        load_run_config(path, [f"base_model={tiny_vlm_dir}"] if path.name in visual else [])
+    with pytest.raises(ConfigError, match=r"\(1 problem\):\n  - base_model: folder not found: ./models/your-vlm$"):
         load_run_config("configs/visual.yaml")
+    cache = Path(os.environ["RLOPS_CACHE"])  # the suite's own (tests/conftest.py): `make small-vlm` never ran there
+    with pytest.raises(ConfigError, match=r"\(1 problem\):\n  - base_model: folder not found: "
+                       + re.escape(f"{cache}/models/SmolVLM-SmolLM2-135M-shapes (`make small-vlm` builds it there")):
+        load_run_config("configs/visual_learn.yaml")
     cfg = load_run_config(_write(tmp_path, GOOD), ["steps=3", "grpo.lr=5e-5", "rollout.stop=[x, y]"])
     assert cfg.steps == 3 and cfg.grpo.lr == 5e-5 and cfg.rollout.stop == ["x", "y"]
 

@@ -12,7 +12,7 @@ from reasoning_gym.factory import DATASETS
 
 from flows import pipeline
 from flows.config import ConfigError
-from flows.run_config import from_dict, load_run_config
+from flows.run_config import load_run_config
 from rewards.base import RewardSpec, compute, reward_version
 from rewards.reach import reach
 from rewards.reasoning_gym import extract_answer, score_answer
@@ -70,7 +70,21 @@ def test_a_verifier_that_cannot_read_the_answer_scores_zero_with_its_reason():
 def test_a_rollout_of_another_config_is_an_error_row_not_a_score():
     prompt = make_task(dataset="chain_sum", config=CHAIN, size=1, eval_size=1).prompts("train")[0]
     [outcome] = compute(spec("chain_sum", {**CHAIN, "max_digits": 2}), [rollout_for(prompt, prompt.metadata["answer"])])
-    assert outcome.value is None and "give the reward the task's dataset and config" in outcome.error
+    assert outcome.value is None and "give the reward the task's dataset and config, or neither" in outcome.error
+    assert '"max_digits":1' in outcome.error and '"max_digits":2' in outcome.error  # both named
+
+
+def test_without_params_the_reward_verifies_each_rollout_with_its_own_dataset():
+    follow = RewardSpec(name="correct", fn="rewards.reasoning_gym.score_answer")
+    rollouts = [rollout_for(p, p.metadata["answer"] if right else "<answer>certainly not this</answer>")
+                for name, config in (("chain_sum", CHAIN), ("gcd", {}), ("word_sorting", {}))
+                for p in make_task(dataset=name, config=config, size=2, eval_size=1).prompts("train")
+                for right in (True, False)]
+    assert [(o.value, o.error) for o in compute(follow, rollouts)] == [(1.0, None), (0.0, None)] * (len(rollouts) // 2)
+    # A dataset given alone is checked, the config still follows the rollout.
+    only_dataset = RewardSpec(name="correct", fn="rewards.reasoning_gym.score_answer", params={"dataset": "gcd"})
+    outcomes = compute(only_dataset, rollouts)
+    assert [o.error is None for o in outcomes] == [r.metadata["dataset"] == "gcd" for r in rollouts]
 
 
 def test_answer_extraction():
@@ -119,9 +133,18 @@ def test_a_bad_dataset_is_a_config_error_before_any_compute(tmp_path):
         load_run_config(path)
 
 
-def test_the_shipped_config_is_valid_and_its_reward_verifies_its_task():
-    cfg = load_run_config("configs/reasoning_gym.yaml")
-    assert cfg.score.rewards[0].params == {k: cfg.task.params[k] for k in ("dataset", "config")}
+def test_the_shipped_config_follows_a_swapped_dataset_and_refuses_a_reward_of_another(tmp_path):
+    # The issue a user hit: only task.params.dataset changed (and its config removed). The reward follows.
+    cfg = load_run_config("configs/reasoning_gym.yaml", ["task.params.dataset=gcd", "task.params.config={}"])
+    assert cfg.task.params["dataset"] == "gcd" and cfg.score.rewards[0].params == {}
+    # A reward told another dataset or config than the task's is refused before any compute, naming both.
+    with pytest.raises(ConfigError) as err:
+        load_run_config("configs/reasoning_gym.yaml", [
+            "task.params.dataset=gcd", "task.params.config={}",
+            'score.rewards=[{name: correct, fn: rewards.reasoning_gym.score_answer, '
+            'params: {dataset: chain_sum, config: {max_terms: 3}}}]'])
+    assert 'score.rewards.correct: params.dataset is "chain_sum", but the task\'s is "gcd"' in str(err.value)
+    assert 'score.rewards.correct: params.config is {"max_terms":3}, but the task\'s is {}' in str(err.value)
 
 
 def test_oracle_demonstrations_follow_the_answer_format(tmp_path):
@@ -131,17 +154,17 @@ def test_oracle_demonstrations_follow_the_answer_format(tmp_path):
     assert all(r["messages"][-1]["content"].startswith("<answer>") for r in rows)
 
 
-def test_a_tiny_model_trains_on_a_reasoning_gym_dataset_end_to_end(tmp_path, tiny_model_dir):
-    task = {"dataset": "chain_sum", "config": CHAIN, "size": 20, "eval_size": 4, "answer_format": "plain"}
-    data = {**tiny_config(tiny_model_dir, name="rg", steps=1), "sft": None,
-            "task": {"name": "reasoning_gym", "params": task},
-            "score": {"rewards": [{"name": "correct", "fn": "rewards.reasoning_gym.score_answer",
-                                   "params": {"dataset": "chain_sum", "config": CHAIN}}]}}
+def test_a_tiny_model_trains_on_a_swapped_reasoning_gym_dataset_end_to_end(tmp_path, tiny_model_dir):
+    # The shipped config with its dataset swapped (gcd instead of chain_sum, no config), on a tiny model.
+    cfg = load_run_config("configs/reasoning_gym.yaml", [
+        f"base_model={tiny_model_dir}", "name=rg", "steps=1", "sft=null", "task.params.dataset=gcd",
+        "task.params.config={}", "task.params.size=20", "task.params.eval_size=4", "rollout.prompts_per_step=2",
+        "rollout.group_size=2", "rollout.max_new_tokens=4", "eval.n_prompts=4"])
     ws = Workspace.open(tmp_path / "ws")
-    result = pipeline.train(from_dict(data), StageContext(ws, run_name="rg"))
+    result = pipeline.train(cfg, StageContext(ws, run_name="rg"))
     assert len(result.policies) == 1
-    rows = ws.query("SELECT r.task, w.value, w.error FROM rollouts r JOIN rewards w USING (rollout_id) "
-                    "WHERE w.reward_name = 'correct'").to_pylist()
+    rows = ws.query("SELECT r.task, r.metadata->>'dataset' AS dataset, w.value, w.error FROM rollouts r "
+                    "JOIN rewards w USING (rollout_id) WHERE w.reward_name = 'correct'").to_pylist()
     assert len(rows) == 2 * 2 + 2 * 4  # one step's 2 groups of 2, and the held-out split before and after
-    assert {r["task"] for r in rows} == {"reasoning_gym"}
+    assert {(r["task"], r["dataset"]) for r in rows} == {("reasoning_gym", "gcd")}
     assert all(r["error"] is None and 0.0 <= r["value"] <= 1.0 for r in rows)
