@@ -1,16 +1,17 @@
-"""GPU check of the vLLM path of a vision-language policy (stages/policy/vllm_vlm.py), with a LoRA adapter.
+"""Check of the vLLM path of a vision-language policy (stages/policy/vllm_vlm.py), with a LoRA adapter: on a GPU
+in bf16, or on the CPU (vLLM's CPU wheel, which `make setup` installs) in fp32.
 
-    bash bench/gpu_check.sh vlm      # installs vllm, prepares SmolLM2-135M, runs this
+    bash bench/gpu_check.sh vlm                              # GPU: installs vllm, prepares SmolLM2-135M, runs this
+    .ci/loopback .venv/bin/python bench/gpu_vlm_vllm.py      # CPU
 
 What it builds: the small VLM of stages/policy/small_vlm.py (SmolVLM's architecture, Idefics3, around
 SmolLM2-135M-Instruct, vision tower and connector random: vLLM's path does not care what the model has learned)
 and a language-model LoRA adapter with random nonzero B matrices (so the adapter changes the logits). What it
-runs: one group of 8 samples through vLLM (bf16) on a prompt with two drawn images, with and without the
-adapter; each request's prompt ids as vLLM ran them must equal the HF processor's (`check_prompt`, an error
-otherwise). What it prints: per policy, the agreement of vLLM's behaviour log-probs with the HF recomputation
-from the recorded tokens and stored images (the model in fp32 under bf16 autocast, as the trainer runs it):
-mean |Δ|, max |Δ| and the share of tokens with |Δ| > 1e-2, and the generation time. Expected: mean |Δ| ~1e-2 or
-below (bf16); a prompt mismatch or a large gap is the finding.
+runs: one group of 8 samples through vLLM (bf16 on a GPU, fp32 on the CPU) on a prompt with two drawn images, with and without the
+adapter; each request's prompt ids as vLLM ran them must equal the HF processor's (an error otherwise). What it prints: per policy, the agreement of vLLM's behaviour log-probs with the HF recomputation
+from the recorded tokens and stored images (the model in fp32, under bf16 autocast on a GPU, as the trainer runs
+it): mean |Δ|, max |Δ| and the share of tokens with |Δ| > 1e-2, and the generation time. Expected: mean |Δ| ~1e-2
+or below in bf16, ~1e-5 in fp32; a prompt mismatch or a large gap is the finding.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def random_adapter(folder: Path, out: Path) -> Path:
     """A language-model LoRA adapter of the VLM in `folder` with random B matrices, saved in `out`."""
     import torch
 
-    from stages.policy.vlm import add_vlm_lora
+    from stages.policy.lora import add_vlm_lora
     from stages.update.config import GRPOConfig
     from transformers import AutoModelForImageTextToText
 
@@ -73,10 +74,11 @@ def agreement(folder: Path, adapter: Path | None, samples: list, store) -> tuple
     policy = VLMPolicy.load(folder, store)
     if adapter is not None:
         policy.model = PeftModel.from_pretrained(policy.model, adapter).eval()
-    policy.model.to("cuda")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy.model.to(device)
     gaps = []
     for s in samples:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
             recomputed = policy.logprobs(s, temperature=1.0).float().cpu()
         mask = torch.tensor(s.loss_mask, dtype=torch.bool)
         gaps.append((recomputed[mask] - torch.tensor(s.behavior_logprobs)[mask]).abs())
@@ -94,13 +96,13 @@ def main() -> dict[str, tuple[float, float, float, int]]:
     from stages.policy.vllm_vlm import VLLMVisionBackend
     from storage.images import ImageStore
 
-    assert torch.cuda.is_available(), "no CUDA device"
+    gpu = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_vlm(*assemble_vlm(prepare_default_model(), VisionTower()), Path(tmp) / "vlm")
         adapter = random_adapter(folder, Path(tmp) / "adapter")
         store = ImageStore(Path(tmp) / "images")
-        gen = VLLMVisionBackend(str(folder), store, max_images=2, dtype="bfloat16", gpu_memory_utilization=0.4,
-                                max_model_len=2048, enforce_eager=True)
+        machine = dict(dtype="bfloat16", gpu_memory_utilization=0.4, enforce_eager=True) if gpu else {}
+        gen = VLLMVisionBackend(str(folder), store, max_images=2, max_model_len=2048, **machine)
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=32)
         runs = {}
         for policy_id, adapter_dir in (("base", None), ("lora", adapter)):
@@ -109,9 +111,10 @@ def main() -> dict[str, tuple[float, float, float, int]]:
             runs[policy_id] = (gen.generate(messages(), n=8, sampling=sampling, seed=0), time.perf_counter() - start)
         prompt = runs["base"][0][0]
         print(f"prompt: {sum(1 for m in prompt.loss_mask if m == 0)} tokens, {len(prompt.image_ids)} images; "
-              "vLLM's prompt ids equal the HF processor's (check_prompt)")
+              "vLLM's prompt ids equal the HF processor's")
         del gen
-        torch.cuda.empty_cache()
+        if gpu:
+            torch.cuda.empty_cache()
         found = {}
         for policy_id, adapter_dir in (("base", None), ("lora", adapter)):
             samples, seconds = runs[policy_id]
@@ -122,4 +125,7 @@ def main() -> dict[str, tuple[float, float, float, int]]:
 
 
 if __name__ == "__main__":
+    import loopback  # bench/loopback.py: run under .ci/loopback
+
+    loopback.enter()
     main()

@@ -178,15 +178,16 @@ def vision_language_problems(cfg: RunConfig, task: Task | None) -> list[str]:
     from stages.policy.vlm import is_vision_language_model
     from stages.policy.vlm_episodes import task_policy_problem, unsupported_with_vlm
 
+    sections = [("sft", cfg.sft)] * (cfg.sft is not None) + [(cfg.algorithm, getattr(cfg, cfg.algorithm))]
     if not is_vision_language_model(cfg.base_model):
         problem = task_policy_problem(task, False) if task is not None else None
-        sections = [("sft", cfg.sft)] * (cfg.sft is not None) + [(cfg.algorithm, getattr(cfg, cfg.algorithm))]
         return [f"base_model: {problem}"] * bool(problem) + [
             f"{name}.lora.projector: the base model {cfg.base_model} is text-only; a projector LoRA needs a "
             "vision-language model" for name, section in sections if section.lora.projector]
     found = unsupported_with_vlm(
         backend=cfg.rollout.backend, rollout_workers=cfg.rollout.workers, task=task, update=cfg.algorithm,
-        update_workers=getattr(getattr(cfg, cfg.algorithm), "workers", 1), max_staleness=cfg.max_staleness)
+        update_workers=getattr(getattr(cfg, cfg.algorithm), "workers", 1), max_staleness=cfg.max_staleness,
+        projector_lora=any(section.lora.projector for _, section in sections), base_model=cfg.base_model)
     return [f"base_model: {cfg.base_model} is a vision-language model; not supported with it yet: {p}" for p in found]
 
 

@@ -107,7 +107,7 @@ class RolloutWorker:
             from storage.images import ImageStore
 
             assert images_dir is not None, "a vision-language policy stores its images in the workspace"
-            self.vlm = ResidentVLM(base_model, ImageStore(images_dir))
+            self.vlm = ResidentVLM(base_model, ImageStore(images_dir), backend=config.backend)
         elif self.task.agent is not None:  # an external agent: its episodes go through the policy service
             from stages.policy.resident import ResidentPolicy
 
@@ -232,7 +232,7 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
     visual = is_vision_language_model(base_model)
     if visual:
         refuse_unsupported(base_model, unsupported_with_vlm(backend=config.backend, rollout_workers=config.workers,
-                                                            task=task_obj))
+                                                            task=task_obj, base_model=base_model))
     elif problem := task_policy_problem(task_obj, visual):
         raise ValueError(f"{base_model}: {problem}")
     stage_config = {"rollout": config,

@@ -68,6 +68,11 @@ def _tiny_llama(tokenizer: Any) -> dict[str, Any]:
                 pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
 
 
+# What vLLM's CPU kernels take (`vllm_model_dir`, `vllm_vlm`): attention heads 32
+# wide (the tiny Llama's 8 are refused: "Unsupported CPU attention configuration: head_dim=8").
+VLLM_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
     """A folder with a tiny random LlamaForCausalLM (hidden 32, 2 layers, SmolLM2's vocabulary) and
@@ -86,13 +91,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> 
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    """A tiny random Llama that vLLM's CPU attention takes: head dim 32 (hidden 64, 2 heads, 1 KV head); the tiny
-    Llama's head dim of 8 is refused ("Unsupported CPU attention configuration: head_dim=8")."""
+    """The tiny Llama with attention heads vLLM's CPU kernels take (VLLM_TEXT: hidden 64, 2 heads of 32, 1 KV head)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**_tiny_llama(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                            "num_attention_heads": 2, "num_key_value_heads": 1})
+    config = LlamaConfig(**(_tiny_llama(tokenizer) | VLLM_TEXT))
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama-vllm")
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
@@ -156,6 +159,12 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pa
     8x8 patches, pixel shuffle to 4 image tokens, the tiny Llama text model) and its processor: the SmolLM2
     tokenizer plus Idefics3's image tokens, a chatml template that renders OpenAI content parts, and an image
     processor that resizes every image to one 32x32 tile. Loadable by path (`VLMPolicy.load`)."""
+    return _tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), default_model_dir)
+
+
+def _tiny_idefics3(path: Path, default_model_dir: Path, vllm_sized: bool = False) -> Path:
+    """`tiny_vlm_dir`'s model in `path`; `vllm_sized`: with heads vLLM's CPU attention takes (VLLM_TEXT, a tower
+    of width 64)."""
     from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
                               Idefics3Processor)
 
@@ -164,14 +173,29 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pa
                                        max_image_size={"longest_edge": 32})
     processor = Idefics3Processor(image_processor=images, tokenizer=tok,
                                   chat_template=_content_parts_template("<image>"), image_seq_len=4)
-    text = dict(model_type="llama", **_tiny_llama(tok))
+    text = dict(model_type="llama", **_tiny_llama(tok)) | (VLLM_TEXT if vllm_sized else {})
+    width = dict(hidden_size=64, intermediate_size=64) if vllm_sized else dict(hidden_size=16, intermediate_size=32)
     config = Idefics3Config(
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
+        vision_config=dict(**width, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
         text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
         tie_word_embeddings=True,
     )
-    return _saved_vlm(tmp_path_factory.mktemp("tiny-idefics3"), Idefics3ForConditionalGeneration, config, processor)
+    return _saved_vlm(path, Idefics3ForConditionalGeneration, config, processor)
+
+
+@pytest.fixture(scope="session")
+def vllm_vlm(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Callable[[str], Path]:
+    """`tiny_vlm`'s models with heads vLLM's CPU kernels take (VLLM_TEXT), by architecture, each built on first use."""
+    built: dict[str, Path] = {}
+
+    def folder(architecture: str) -> Path:
+        if architecture not in built:
+            path = tmp_path_factory.mktemp(f"vllm-{architecture}")
+            built[architecture] = (_tiny_idefics3(path, default_model_dir, vllm_sized=True) if architecture == "idefics3"
+                                   else _tiny_qwen_vl(architecture, path, default_model_dir, vllm_sized=True))
+        return built[architecture]
+
+    return folder
 
 
 # The tiny VLMs' architectures (`tiny_vlm`): the two layouts of image tensors, and Qwen2.5-VL's windowed tower.
@@ -194,12 +218,13 @@ def tiny_vlm(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory,
     return folder
 
 
-def _tiny_qwen_vl(architecture: str, path: Path, default_model_dir: Path) -> Path:
+def _tiny_qwen_vl(architecture: str, path: Path, default_model_dir: Path, vllm_sized: bool = False) -> Path:
     """A tiny random Qwen2-VL or Qwen2.5-VL and its processor in `path`: the SmolLM2 tokenizer plus Qwen's vision
     tokens, a chatml template writing each image as `<|vision_start|><|image_pad|><|vision_end|>`, an image
     processor that resizes each image to 256-576 pixels in 4x4 patches (16-36 patches, merged 2x2 into 4-9 image
     tokens), a 1-layer vision tower of width 16 and the tiny Llama's shapes for the text model, whose M-RoPE
-    splits the 8-wide heads' 4 rotary frequencies 2/1/1 over time, height and width."""
+    splits the 8-wide heads' 4 rotary frequencies 2/1/1 over time, height and width; `vllm_sized`: heads 32 wide
+    (VLLM_TEXT, frequencies 8/4/4) in the text model and the tower, which vLLM's CPU attention takes."""
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLConfig,
                               Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor)
 
@@ -212,18 +237,19 @@ def _tiny_qwen_vl(architecture: str, path: Path, default_model_dir: Path) -> Pat
     template = _content_parts_template("<|vision_start|><|image_pad|><|vision_end|>")
     processor = images_only(Qwen2VLProcessor if qwen2 else Qwen2_5_VLProcessor)(image_processor=images, tokenizer=tok,
                                                                                 chat_template=template)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
-    text = _tiny_llama(tok) | {"rope_parameters": rope}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4] if vllm_sized else [2, 1, 1]}
+    text = _tiny_llama(tok) | (VLLM_TEXT if vllm_sized else {}) | {"rope_parameters": rope}
     ids = {field: tok.convert_tokens_to_ids(token) for field, token in [
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
     tower = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    width, out = (64, text["hidden_size"]) if vllm_sized else (16, 32)
     if qwen2:
-        config = Qwen2VLConfig(text_config=text, vision_config=tower | dict(embed_dim=16, mlp_ratio=2, hidden_size=32),
+        config = Qwen2VLConfig(text_config=text, vision_config=tower | dict(embed_dim=width, mlp_ratio=2, hidden_size=out),
                                tie_word_embeddings=True, **ids)
         return _saved_vlm(path, Qwen2VLForConditionalGeneration, config, processor)
     # Qwen2.5-VL's tower attends in windows (16 px: 2x2 merged tokens) except in fullatt_block_indexes.
-    vision = tower | dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=16,
+    vision = tower | dict(hidden_size=width, intermediate_size=2 * width, out_hidden_size=out, window_size=16,
                           fullatt_block_indexes=[0])
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     return _saved_vlm(path, Qwen2_5_VLForConditionalGeneration, config, processor)

@@ -73,6 +73,13 @@ class Episode:
     image_ids: list[str] = field(default_factory=list)  # a visual episode's stored images (stages/policy/vlm_episodes.py)
     error: str | None = None  # why the episode failed (finish_reason "error"), naming the turn
 
+    def fail(self, error: str) -> None:
+        """End the episode as an error row (finish_reason "error"), as an external agent's failed episode is
+        (stages/service/external.py): no tokens, since they are not what the policy was given; scored and part
+        of its group's baseline, it trains nothing."""
+        self.token_ids, self.loss_mask, self.behavior_logprobs = [], [], []
+        self.error, self.finish_reason, self.truncated = error, "error", False
+
     def extend(self, ids: list[int], logprobs: list[float] | None = None) -> None:
         """Append tokens: sampled ones (with their log-probs, mask 1) or template text (mask 0)."""
         self.token_ids += ids
@@ -170,13 +177,6 @@ def run_episodes(
         out[i].finish_reason, out[i].truncated = reason, truncated
         out[i].gen_seconds = time.monotonic() - start
 
-    def fail(i: int, error: str) -> None:
-        # As an external agent's error row (stages/service/external.py): no tokens, since they are not what
-        # the policy was given; scored and part of its group's baseline, it trains nothing.
-        ep = out[i]
-        ep.token_ids, ep.loss_mask, ep.behavior_logprobs, ep.error = [], [], [], error
-        finish(i, "error", False)
-
     # The HF backend keeps each turn's key/value cache for the next turn (`HFBackend.conversation`).
     with getattr(backend, "conversation", nullcontext)():
         active = list(range(len(out)))
@@ -196,7 +196,8 @@ def run_episodes(
             calling: list[tuple[int, list[ToolCall]]] = []
             for i, sample in zip(active, samples):
                 if sample.error is not None:  # e.g. vLLM ran other prompt ids than the recorded ones
-                    fail(i, f"turn {turn + 1}: {sample.error}")
+                    out[i].fail(f"turn {turn + 1}: {sample.error}")
+                    finish(i, "error", False)
                     continue
                 calls, budget_hit, length_cut = add_turn(out[i], sample, room[i], turn, chat, eos_ids)
                 if budget_hit:

@@ -98,8 +98,7 @@ class VLLMBackend:
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             **_guidance_backend(),
-            **machine,
-            **engine_kwargs,
+            **(machine | engine_kwargs),  # a caller's engine argument wins over the machine's default
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.eos_ids = {self.tokenizer.eos_token_id}
@@ -137,12 +136,18 @@ class VLLMBackend:
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None,
-        rows: list[RowOptions] | None = None,
+        rows: list[RowOptions] | None = None, *, requests: list[dict[str, Any]] | None = None,
+        banned_ids: tuple[int, ...] = (),
     ) -> list[Sample]:
         """Sample one turn per prompt; request i is seeded with seed + i, so identical prompts (a
         GRPO group) get different samples and each request is reproducible on its own. `rows[i]`:
         prompt i's top log-probs and constraint. The prompt ids vLLM ran must be the given ones (they
-        are what is recorded): a sample of a prompt that differs carries the `error` instead."""
+        are what is recorded): a sample of a prompt that differs carries the `error` instead.
+
+        A vision-language prompt is given to vLLM as `requests[i]` (vLLM's prompt dict: the ids with one input
+        placeholder per image, which vLLM expands itself, and the images: stages/policy/vllm_vlm.py), while
+        `prompt_token_ids[i]` stays the expanded ids vLLM must run; `banned_ids` are never sampled (a VLM's
+        image-structure tokens: a -inf logit bias, applied before the processed log-probs are taken)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -159,11 +164,12 @@ class VLLMBackend:
                 include_stop_str_in_output=True,  # keep the text consistent with the tokens
                 seed=base + i,
                 logprobs=row.top_logprobs,  # 0: only the sampled token's log-prob
+                logit_bias={t: float("-inf") for t in banned_ids} or None,
                 **_structured(row.constraint),
             )
             for i, row in enumerate(rows)
         ]
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
+        prompts = requests or [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         samples = []
         for out, row, given in zip(outputs, rows, prompt_token_ids):
@@ -224,10 +230,12 @@ def _structured(constraint: Constraint | None) -> dict[str, Any]:
 _RESIDENT: dict[str, VLLMBackend] = {}  # base model -> its engine, for this process's run
 
 
-def resident_vllm(base_model: str) -> VLLMBackend:
-    """This process's vLLM engine for `base_model`, built on first use (with sleep mode on a GPU)."""
+def resident_vllm(base_model: str, **engine_kwargs: Any) -> VLLMBackend:
+    """This process's vLLM engine for `base_model`, built on first use (with sleep mode on a GPU, and
+    `engine_kwargs`, e.g. a VLM's image limit: the first call's build the engine)."""
     if base_model not in _RESIDENT:
-        _RESIDENT[base_model] = VLLMBackend(base_model, **({"enable_sleep_mode": True} if on_gpu() else {}))
+        _RESIDENT[base_model] = VLLMBackend(base_model, **({"enable_sleep_mode": True} if on_gpu() else {}),
+                                            **engine_kwargs)
     return _RESIDENT[base_model]
 
 

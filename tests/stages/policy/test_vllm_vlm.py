@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.policy.vllm_vlm import build_request, check_prompt, engine_kwargs, suppressed
+from stages.policy.vllm import prompt_difference
+from stages.policy.vllm_vlm import build_request, engine_kwargs
 from stages.policy.vlm import VLMPolicy
 from storage.images import ImageStore
 from tests.stages.policy.test_vlm import IMAGE_STRUCTURE, episode, image_part, png
@@ -54,9 +55,8 @@ def test_without_weights_matches_the_loaded_policy(policies):
     arch, vlm, full = policies
     assert vlm.model is None
     assert (vlm.eos_ids, vlm.banned_ids, vlm.fingerprint) == (full.eos_ids, full.banned_ids, full.fingerprint)
-    bias = suppressed(vlm.banned_ids)
-    assert set(bias) == set(vlm.processor.tokenizer.convert_tokens_to_ids(IMAGE_STRUCTURE[arch]))
-    assert all(v == float("-inf") for v in bias.values())
+    # What VLLMBackend.generate gives a -inf logit bias: the image-structure tokens only the processor writes.
+    assert set(vlm.banned_ids) == set(vlm.processor.tokenizer.convert_tokens_to_ids(IMAGE_STRUCTURE[arch]))
 
 
 def test_too_many_images_refused_before_compute(policies):
@@ -73,11 +73,10 @@ def test_engine_image_limit():
 
 
 def test_prompt_mismatch_is_an_error():
-    check_prompt([1, 2, 3, 3, 4], [1, 2, 3, 3, 4])
-    with pytest.raises(ValueError, match=r"vLLM's prompt \(5 tokens\) differs from the HF processor's \(5\) at position 3"):
-        check_prompt([1, 2, 3, 9, 4], [1, 2, 3, 3, 4])
-    with pytest.raises(ValueError, match=r"\(6 tokens\) differs from the HF processor's \(5\) at position 5"):
-        check_prompt([1, 2, 3, 3, 4, 4], [1, 2, 3, 3, 4])  # a placeholder expanded twice: longer
+    assert prompt_difference([1, 2, 3, 3, 4], [1, 2, 3, 3, 4]) is None
+    assert "of 5 tokens that differs from the recorded 5 at position 3" in prompt_difference([1, 2, 3, 9, 4], [1, 2, 3, 3, 4])
+    # a placeholder expanded twice: longer
+    assert "of 6 tokens that differs from the recorded 5 at position 5" in prompt_difference([1, 2, 3, 3, 4, 4], [1, 2, 3, 3, 4])
 
 
 def test_image_in_user_text_part_counts(policies):
@@ -90,13 +89,14 @@ def test_image_in_user_text_part_counts(policies):
     assert len(request.image_ids) == 2 and request.image_ids[0] != request.image_ids[1]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (the optional `vllm` extra)")
 def test_vllm_generation_matches_hf_recomputation():
-    """On a machine with vLLM and a GPU: bench/gpu_vlm_vllm.py's check, asserted."""
+    """On a GPU: bench/gpu_vlm_vllm.py's check, asserted (the small VLM's size, bf16). On the CPU the same path runs
+    with a tiny Idefics3 (tests/flows/test_vllm_pipeline.py), and the bench at this size takes ~100 s on 2 cores:
+    its fp32 numbers are in docs/BENCHMARKS.md ("vLLM on CPU")."""
     import torch
 
     if not torch.cuda.is_available():
-        pytest.skip("vLLM generation needs a CUDA device")
+        pytest.skip("the small VLM's size on vLLM: run on a GPU (the CPU path is tested with a tiny Idefics3)")
     spec = importlib.util.spec_from_file_location("gpu_vlm_vllm", Path(__file__).parents[3] / "bench" / "gpu_vlm_vllm.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
