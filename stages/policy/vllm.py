@@ -18,7 +18,8 @@ dtype on CPU, so the behaviour log-probs agree with the update's recomputation),
 `CPU_KV_CACHE_BYTES` unless `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's own knob) says otherwise, and its
 OpenMP threads bound to every core this process may use (vLLM's own default keeps one core back, which on
 a 2-core machine halves it). A caller's `VLLM_CPU_OMP_THREADS_BIND` (e.g. `nobind`: the threads
-`OMP_NUM_THREADS` says, unbound; the test suite's) is kept. CPU has no sleep mode: `engines_asleep` leaves
+`OMP_NUM_THREADS` says, unbound; the test suite's) is kept. vLLM's CPU LoRA products are replaced by ones
+grouped per adapter (stages/policy/vllm_cpu_lora.py: vLLM's copy a matrix per token). CPU has no sleep mode: `engines_asleep` leaves
 a CPU engine as it is (its KV cache is host memory the trainer does not need).
 
 vllm is imported inside the functions.
@@ -53,6 +54,9 @@ def on_gpu() -> bool:
 def cpu_setup() -> dict[str, Any]:
     """The environment and engine arguments of a vLLM engine on the CPU (see the module docstring); the
     environment is set here, before vLLM reads it, and a value the caller set is kept."""
+    from stages.policy import vllm_cpu_lora
+
+    vllm_cpu_lora.install()  # vLLM's CPU LoRA products per adapter, not per token (that module's docstring)
     cores = sorted(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
