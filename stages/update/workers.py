@@ -20,6 +20,8 @@ floating-point additions (tests: max |Δ| of the adapter weights below 1e-5 afte
 
 from __future__ import annotations
 
+import copy
+
 import math
 import time
 from contextlib import nullcontext
@@ -206,7 +208,11 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
     use_gpu = torch.cuda.is_available()
     trainable = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
     mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()
-    args = {"config": config, "temperature": temperature, "base_model": base_model, "peft_config": model.peft_config[model.active_adapter],
+    # A parent adapter loaded from its files carries `inference_mode=True` in its config: the workers would build an
+    # untrainable adapter from it (issue 43: "the worker's adapter differs from the driver's" after an SFT step).
+    peft_config = copy.deepcopy(model.peft_config[model.active_adapter])
+    peft_config.inference_mode = False
+    args = {"config": config, "temperature": temperature, "base_model": base_model, "peft_config": peft_config,
             "weights": trainable, "optimizer": _cpu(optimizer.state_dict()), "samples": samples,
             "advantages": advantages.float().cpu(), "mailbox": mailbox}
     start = time.perf_counter()

@@ -76,3 +76,32 @@ def test_async_ray_scoring_beside_an_update_holding_every_cpu_is_refused_before_
         cluster.prepare(cfg.ray, pipeline.ray_workers(cfg), overlapped=False)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_the_demo_config_trains_two_steps_with_two_ddp_workers(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Issue 43's defect: `grpo.workers: 2` on the shipped demo config failed at step 1 ("the worker's adapter
+    differs from the driver's"): the parent adapter's config said inference_mode, so the workers built an
+    untrainable one. Two steps through the resident run; the adapter equals `grpo.workers: 1`'s."""
+    import ray
+
+    from flows.run_config import load_run_config
+
+    overrides = [f"base_model={tiny_model_dir}", "steps=2", "sft.max_steps=2", "rollout.prompts_per_step=2",
+                 "rollout.group_size=4", "rollout.max_new_tokens=4", "eval.n_prompts=2", "eval.every=100",
+                 "task.params.n_train=20", "task.params.n_test=4", "ray.local_cpus=2"]
+    finals = {}
+    for n in (1, 2):
+        cfg = load_run_config("configs/arithmetic.yaml", [*overrides, f"grpo.workers={n}"])
+        ws = Workspace.open(tmp_path / f"ws{n}")
+        try:
+            finals[n] = ws, pipeline.train(cfg, StageContext(ws, run_name=cfg.name, ray=cfg.ray), on_step=lambda row: None)
+        finally:
+            ray.shutdown()
+    (ws1, one), (ws2, two) = finals[1], finals[2]
+    assert two.policies == one.policies and two.batches == one.batches  # workers are operational: the same ids
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(Path(ws.catalog.get_checkpoint(r.final)["adapter_uri"]) / "adapter_model.safetensors"))
+            for ws, r in ((ws1, one), (ws2, two)))
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
