@@ -105,7 +105,7 @@ def log_models(ws: Workspace, parent_run_id: str, run_name: str, policies: list[
         else:
             model = client.create_logged_model(
                 ws.tracker.experiment_id, name=_model_name(run_name, ckpt), source_run_id=ckpt["mlflow_run_id"],
-                model_type="lora-adapter", tags=_tags(run_name, chain), params={"base_model": ckpt["base_model"]})
+                model_type="lora-adapter", tags=lineage_tags(run_name, chain), params={"base_model": ckpt["base_model"]})
             model_id = model.model_id
             for f in sorted(Path(ckpt["adapter_uri"]).iterdir()):
                 if f.is_file() and f.name not in NOT_LOGGED:
@@ -122,7 +122,10 @@ def _model_name(run_name: str, ckpt: dict[str, Any]) -> str:
     return f"{run_name}-{ckpt['kind']}" + (f"-step{ckpt['step']}" if ckpt["kind"] in UPDATE_KINDS else "")
 
 
-def _tags(run_name: str, chain: list[dict[str, Any]]) -> dict[str, str]:
+def lineage_tags(run_name: str, chain: list[dict[str, Any]]) -> dict[str, str]:
+    """A checkpoint's lineage as MLflow tags (its logged model's, its registered version's): the run, the chain
+    of policies from the base, the reward name@version and rollout batches it was trained on, the base model
+    with its content fingerprint, and the SFT data's hash."""
     ckpt = chain[-1]
     ids = [c["policy_id"] for c in chain]
     path = " -> ".join(ids)
@@ -137,4 +140,10 @@ def _tags(run_name: str, chain: list[dict[str, Any]]) -> dict[str, str]:
         tags["rlops.reward"] = trained_on["reward"]
     if "batches" in trained_on:
         tags["rlops.trained_on_batches"] = ",".join(trained_on["batches"])[:MAX_TAG]
+    base = (chain[0]["trained_on"] or {}) if chain[0]["kind"] == "base" else {}
+    if base.get("fingerprint"):
+        tags["rlops.base_fingerprint"] = base["fingerprint"]
+    data_hash = next(((c["trained_on"] or {}).get("data_hash") for c in chain if c["kind"] == "sft"), None)
+    if data_hash:
+        tags["rlops.sft_data_hash"] = data_hash
     return tags
