@@ -105,7 +105,8 @@ def log_models(ws: Workspace, parent_run_id: str, run_name: str, policies: list[
         else:
             model = client.create_logged_model(
                 ws.tracker.experiment_id, name=_model_name(run_name, ckpt), source_run_id=ckpt["mlflow_run_id"],
-                model_type="lora-adapter", tags=lineage_tags(run_name, chain), params={"base_model": ckpt["base_model"]})
+                model_type="lora-adapter", tags=lineage_tags(run_name, chain),
+                params={"base_model": ckpt["base_model"]})
             model_id = model.model_id
             for f in sorted(Path(ckpt["adapter_uri"]).iterdir()):
                 if f.is_file() and f.name not in NOT_LOGGED:

@@ -116,7 +116,8 @@ def _context(ws: Workspace, cfg: RunConfig) -> StageContext:
     return StageContext(ws, run_name=cfg.name, parent_run_id=parent, prefect_flow_run_id=str(flow_run.id), ray=cfg.ray)
 
 
-def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult, gate: bool) -> dict[str, Any]:
+def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult,
+            gate: bool) -> dict[str, Any]:
     from flows.mlflow_log import log_models
     from flows.promotion import gate as promotion_gate
 

@@ -136,7 +136,8 @@ def compare(ws: Workspace, policy_a: str, policy_b: str, split: str | None = Non
             seed: int = 0) -> Comparison:
     """Compare the accuracy of the latest complete evaluations of two policies (on `split`, default: any)
     prompt by prompt (`paired`)."""
-    return paired(ws, latest_eval(ws, policy_a, split), latest_eval(ws, policy_b, split), resamples=resamples, seed=seed)
+    return paired(ws, latest_eval(ws, policy_a, split), latest_eval(ws, policy_b, split), resamples=resamples,
+                  seed=seed)
 
 
 def paired(ws: Workspace, eval_a: dict, eval_b: dict, statistic: str = "accuracy", resamples: int = 10_000,

@@ -1,7 +1,7 @@
 """The promotion gate's rule: when a challenger becomes the champion.
 
     config = PromoteConfig(metric="accuracy", min_gain=0.0)
-    eval_config = gate_eval(run_eval, config)          # how both are evaluated: the run's `eval:` with the gate's samples
+    eval_config = gate_eval(run_eval, config)          # how both are evaluated: the run's `eval:`, the gate's samples
     promoted, why = decide(comparison, config)         # comparison: stages.evaluate.paired(champion, challenger)
 
 Both policies are evaluated on the same held-out prompts with the same reward, and the difference of their
@@ -79,5 +79,7 @@ def decide(comparison: Comparison, config: PromoteConfig) -> tuple[bool, str]:
     if c.low > config.min_gain:
         return True, f"{measured}; the lower bound clears min_gain {config.min_gain:g}"
     if c.high < config.min_gain:
-        return False, f"{measured}; worse than the champion by more than the noise (the whole interval is below {config.min_gain:g})"
-    return False, f"{measured}; the lower bound does not clear min_gain {config.min_gain:g} (not better beyond the noise)"
+        return False, (f"{measured}; worse than the champion by more than the noise (the whole interval is below "
+                       f"{config.min_gain:g})")
+    return False, (f"{measured}; the lower bound does not clear min_gain {config.min_gain:g} (not better beyond the "
+                   "noise)")

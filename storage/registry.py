@@ -77,7 +77,8 @@ class Registry:
     def reader(cls, settings: Settings) -> Registry | None:
         """A registry to read from, or None when the workspace has no MLflow database yet (nothing is registered,
         and opening one would create it)."""
-        if settings.mlflow_uri.startswith("sqlite:///") and not Path(settings.mlflow_uri.removeprefix("sqlite:///")).exists():
+        database = settings.mlflow_uri.removeprefix("sqlite:///")
+        if database != settings.mlflow_uri and not Path(database).exists():
             return None
         from mlflow.tracking import MlflowClient
 
