@@ -93,16 +93,12 @@ def log_models(ws: Workspace, parent_run_id: str, run_name: str, policies: list[
     client = ws.tracker.client
     ids = []
     for pid in policies:
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", pid):  # it goes into a filter string, which takes no parameters
-            raise ValueError(f"not a policy id: {pid!r}")
         chain = lineage(ws, pid)
         ckpt = chain[-1]
         if ckpt["adapter_uri"] is None:
             continue
-        found = client.search_logged_models([ws.tracker.experiment_id], filter_string=f"tags.`rlops.policy_id` = '{pid}'")
-        if found:
-            model_id = found[0].model_id
-        else:
+        model_id = logged_model_id(ws, pid)
+        if model_id is None:
             model = client.create_logged_model(
                 ws.tracker.experiment_id, name=_model_name(run_name, ckpt), source_run_id=ckpt["mlflow_run_id"],
                 model_type="lora-adapter", tags=lineage_tags(run_name, chain),
@@ -117,6 +113,15 @@ def log_models(ws: Workspace, parent_run_id: str, run_name: str, policies: list[
         if pid == final:
             ws.tracker.set_tags(parent_run_id, {"rlops.final_model_id": model_id})
     return ids
+
+
+def logged_model_id(ws: Workspace, policy_id: str) -> str | None:
+    """The id of the MLflow logged model holding `policy_id`'s adapter, or None when it is not logged yet."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", policy_id):  # it goes into a filter string, which takes no parameters
+        raise ValueError(f"not a policy id: {policy_id!r}")
+    found = ws.tracker.client.search_logged_models([ws.tracker.experiment_id],
+                                                   filter_string=f"tags.`rlops.policy_id` = '{policy_id}'")
+    return found[0].model_id if found else None
 
 
 def _model_name(run_name: str, ckpt: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from flows.mlflow_log import MAX_TAG, lineage, lineage_tags, log_models
+from flows.mlflow_log import MAX_TAG, lineage, lineage_tags, log_models, logged_model_id
 from flows.pipeline import Call, direct
 from stages import evaluate
 from stages.promote import decide, gate_eval, rule
@@ -43,7 +43,7 @@ def register(ws: Workspace, name: str, policy_id: str, run_id: str, run_name: st
     found = registry.version_of(name, policy_id)
     if found is not None:
         return found
-    model_id = log_models(ws, run_id, run_name, [policy_id])[0]
+    model_id = logged_model_id(ws, policy_id) or log_models(ws, run_id, run_name, [policy_id])[0]
     model = ws.tracker.client.get_logged_model(model_id)
     return registry.register(name, policy_id=policy_id, source=model.artifact_location, run_id=run_id,
                              model_id=model_id, tags=lineage_tags(run_name, lineage(ws, policy_id)))

@@ -102,7 +102,7 @@ def export(row: dict[str, Any], fmt: str, out: Path, dtype: str = "f32") -> Path
         return out
     model, processor = merged(folder, adapter, dtype)
     if fmt == "gguf":
-        write_gguf(model, folder, out, dtype)
+        write_gguf(model, folder, out, dtype, name=row["policy_id"])
         return out
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -2,7 +2,7 @@
 loader (`from_pretrained(folder, gguf_file=...)`).
 
     problems = gguf_problems(model_folder)                 # before any work: what this writer cannot express
-    write_gguf(model, model_folder, "policy.gguf", "f32")  # model: a merged LlamaForCausalLM
+    write_gguf(model, model_folder, "policy.gguf", "f32", name="ck-...")  # model: a merged LlamaForCausalLM
 
 Names, metadata keys and the q/k row permutation are those of llama.cpp's `convert_hf_to_gguf.py` for
 LlamaForCausalLM (llama.cpp applies rotary embeddings to interleaved pairs, transformers to the two halves
@@ -79,8 +79,9 @@ def pre_tokenizer_name(spec: dict[str, Any]) -> str | None:
     return None
 
 
-def write_gguf(model: Any, folder: Path, path: Path | str, dtype: str) -> None:
-    """Write `model` (a LlamaForCausalLM, adapters merged) with the tokenizer of `folder` to `path`, atomically."""
+def write_gguf(model: Any, folder: Path, path: Path | str, dtype: str, *, name: str) -> None:
+    """Write `model` (a LlamaForCausalLM, adapters merged) with the tokenizer of `folder` to `path`, atomically;
+    `name` is the file's `general.name` (what llama.cpp shows)."""
     import gguf
 
     config = model.config
@@ -89,7 +90,7 @@ def write_gguf(model: Any, folder: Path, path: Path | str, dtype: str) -> None:
     rope = getattr(config, "rope_parameters", None) or {}
     with atomic_path(path) as tmp:
         writer = gguf.GGUFWriter(tmp, "llama")
-        writer.add_name(Path(str(config.name_or_path)).name or "rlops-policy")
+        writer.add_name(name)
         writer.add_context_length(config.max_position_embeddings)
         writer.add_embedding_length(config.hidden_size)
         writer.add_block_count(config.num_hidden_layers)
