@@ -136,13 +136,12 @@ def test_serving_follows_the_champion_between_episodes(gated, tmp_path, capsys):
     try:
         wait_until(lambda: _answers(url), proc, "rlops serve answered", timeout=300, every=0.2, log=log)
 
-        def ask(episode: str | None = None, history: list[dict[str, str]] = ()) -> str:
+        def ask(episode: str | None = None, history: list[dict[str, str]] = (), model: str = f"{NAME}@champion") -> str:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                    default_headers={"X-Episode-Id": episode} if episode else {})
             messages = [{"role": "system", "content": SYSTEM}, *history,
                         {"role": "user", "content": gated.questions[0]}]
-            reply = client.chat.completions.create(model=f"{NAME}@champion", messages=messages, max_tokens=1,
-                                                   temperature=0)
+            reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
             return reply.choices[0].message.content
 
         def serving() -> dict[str, Any]:
@@ -157,6 +156,7 @@ def test_serving_follows_the_champion_between_episodes(gated, tmp_path, capsys):
                      "--workspace", str(ws.root)]) == 0
         assert capsys.readouterr().out.strip().splitlines()[-1] == second
         assert ask() == "" and ask("episode-b") == ""  # the very next request: run 2's checkpoint ends its turn
+        assert ask(model=f"models:/{NAME}@champion") == "" and ask(model=f"models:/{NAME}/1") == "7"
         assert serving()[f"{NAME}@champion"].version == "2"
         # The episode that began on version 1 finishes on it.
         earlier = [{"role": "user", "content": gated.questions[0]}, {"role": "assistant", "content": "7"}]
