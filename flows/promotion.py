@@ -52,7 +52,8 @@ def register(ws: Workspace, name: str, policy_id: str, run_id: str, run_name: st
 def gate(cfg: RunConfig, ctx: StageContext, final: str, call: Call = direct) -> dict[str, Any] | None:
     """Register the run's final checkpoint as the `challenger` and decide whether it becomes the `champion`
     (the module docstring); returns the decision's row, or None when there is nothing to decide (the final
-    policy is the base model, or already the champion)."""
+    policy is the base model, or already the champion). `ctx.parent_run_id` is the run's MLflow parent run:
+    the version's source run, and where the decision is logged."""
     ws, config = ctx.ws, cfg.gate_config
     name = config.model_name or cfg.name
     if ws.catalog.get_checkpoint(final)["kind"] == "base":

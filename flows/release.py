@@ -16,12 +16,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flows.registry import command, guard
 
+if TYPE_CHECKING:
+    from storage.settings import Settings
 
-def _checkpoint(settings: Any, policy: str) -> dict[str, Any]:
+
+def _checkpoint(settings: Settings, policy: str) -> dict[str, Any]:
     """The catalog row a policy reference names (stages/policy_ref.py), with a registry to read aliases from."""
     from stages.policy_ref import find_checkpoint
     from storage.registry import Registry
@@ -31,11 +34,11 @@ def _checkpoint(settings: Any, policy: str) -> dict[str, Any]:
 
 def describe(row: dict[str, Any]) -> str:
     """One line about a decision: which version is champion now, and why."""
-    champion = row["challenger"] if row["promoted"] else row["champion"]
-    version = row["challenger_version"] if row["promoted"] else row["champion_version"]
-    verdict = "promoted" if row["promoted"] else f"not promoted; version {version} stays champion"
-    return (f"{row['model_name']} version {row['challenger_version']} ({row['challenger']}): {row['action']}, "
-            f"{verdict} -> champion {champion}. {row['reason']}")
+    decided = f"{row['model_name']} version {row['challenger_version']} ({row['challenger']})"
+    if row["promoted"]:
+        return f"{decided} is the champion ({row['action']}): {row['reason']}"
+    return (f"{decided} stays the challenger; version {row['champion_version']} ({row['champion']}) stays the "
+            f"champion ({row['action']}): {row['reason']}")
 
 
 def _print_decision(args: argparse.Namespace, row: dict[str, Any]) -> None:
