@@ -1,4 +1,5 @@
-"""The pipeline commands of `rlops` (run, stage, rescore, retrain, schedule, report, inspect, ui, eval, rewards).
+"""The pipeline commands of `rlops` (run, stage, rescore, retrain, schedule, report, inspect, ui, eval, rewards, serve;
+promote, rollback and export are flows/release.py's).
 
 Each validates its config before importing anything heavy or computing anything; a bad config
 prints one message listing every problem and exits 2.
@@ -13,8 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.registry import command, print_rows
-from flows.config import ConfigError
+from flows.registry import command, guard, print_rows
 
 
 def _config(args: argparse.Namespace):  # -> RunConfig
@@ -51,21 +51,6 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], last_line: str) -> 
     print(json.dumps(payload, default=str) if args.json else last_line)
 
 
-def _guard(fn):
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except (KeyError, ValueError) as e:
-            print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
-            return 1
-
-    wrapped.__name__ = fn.__name__
-    return wrapped
-
-
 def results_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """base vs SFT vs final on the held-out split, one row per metric."""
     evals = summary["evals"]
@@ -78,7 +63,7 @@ def results_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 
 
 @command("run")
-@_guard
+@guard
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ws_path = _workspace_path(args)
@@ -90,6 +75,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         cols, rows = results_table(summary)
         print(f"\nrun {cfg.name}: held-out {cfg.eval.split} split of {cfg.task.name}")
         print_rows(cols, rows)
+        if summary["promotion"]:
+            from flows.release import describe
+
+            print(f"\n{describe(summary['promotion'])}")
         print(f"\nnext: rlops sql \"SELECT * FROM evals WHERE policy_id = '{summary['final']}'\" --workspace {ws_path}")
         print(f"      rlops inspect {cfg.name} --workspace {ws_path}     # best and worst episodes per reward version")
         print(f"      rlops report {cfg.name} --workspace {ws_path}      # PNGs, the run page and inspect pages")
@@ -99,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 @command("stage")
-@_guard
+@guard
 def cmd_stage(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from flows.stage_calls import call_stage
@@ -124,7 +113,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 @command("rescore")
-@_guard
+@guard
 def cmd_rescore(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _prefect_env(_workspace_path(args))
@@ -136,7 +125,7 @@ def cmd_rescore(args: argparse.Namespace) -> int:
 
 
 @command("retrain")
-@_guard
+@guard
 def cmd_retrain(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _check_replay_inputs(_workspace_path(args), args.from_policy, args.run)
@@ -161,7 +150,7 @@ def _check_replay_inputs(ws_path: Path, from_policy: str, run_name: str) -> None
 
 
 @command("schedule")
-@_guard
+@guard
 def cmd_schedule(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from flows.schedule import serve
@@ -170,7 +159,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 @command("report")
-@_guard
+@guard
 def cmd_report(args: argparse.Namespace) -> int:
     from flows.views.report import write_report
     from storage.workspace import Workspace
@@ -181,7 +170,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 @command("inspect")
-@_guard
+@guard
 def cmd_inspect(args: argparse.Namespace) -> int:
     from flows.views.inspect_render import (diff_page_path, inspect_page_path, print_diff, print_inspection,
                                             write_diff_html, write_inspection_html)
@@ -209,7 +198,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 @command("ui")
-@_guard
+@guard
 def cmd_ui(args: argparse.Namespace) -> int:
     from flows.views.ui import serve, ui_command
     from storage.settings import Settings
@@ -222,7 +211,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 @command("eval")
-@_guard
+@guard
 def cmd_eval(args: argparse.Namespace) -> int:
     from storage.settings import Settings
     from storage.sql import open_views
@@ -264,7 +253,7 @@ def _print_comparison(args: argparse.Namespace) -> None:
 
 
 @command("rewards")
-@_guard
+@guard
 def cmd_rewards(args: argparse.Namespace) -> int:
     from storage.settings import Settings
     from storage.sql import open_views
@@ -282,24 +271,30 @@ def cmd_rewards(args: argparse.Namespace) -> int:
 
 
 @command("serve")
-@_guard
+@guard
 def cmd_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
+    from functools import partial
 
     import uvicorn
 
     from stages.policy.vlm_resident import load_resident
+    from stages.policy_ref import find_checkpoint
     from stages.service.app import build_app
-    from stages.service.resolve import catalog_resolver, find_checkpoint
+    from stages.service.resolve import catalog_resolver
     from stages.service.service import PolicyService, ServiceConfig
     from storage.images import ImageStore
+    from storage.registry import Registry
     from storage.settings import Settings
 
     settings = Settings.from_env(args.workspace)
-    snapshot = settings.snapshot_dir / "checkpoints.parquet"
+    snapshot, registry = settings.snapshot_dir / "checkpoints.parquet", Registry.reader(settings)
     # The policy's base model is the one to load; requests may then name any policy of that base.
-    base_model = args.base_model if args.policy == "base" else find_checkpoint(snapshot, args.policy)["base_model"]
-    resolve, names = catalog_resolver(snapshot, base_model)
+    base_model = (args.base_model if args.policy == "base"
+                  else find_checkpoint(snapshot, args.policy, registry)["base_model"])
+    # An alias (NAME@champion) is read on every request: the log says when it serves another version.
+    resolve, names = catalog_resolver(snapshot, base_model, registry,
+                                      announce=partial(print, file=sys.stderr, flush=True))
     # A vision-language base model is served as one (images in requests, stored in the workspace).
     policy = load_resident(base_model, args.engine, ImageStore(settings.images_dir))
     config = ServiceConfig(batch_window_s=args.batch_window, image_root=Path(args.image_root) if args.image_root else None)
@@ -374,8 +369,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("policy_b")
 
     p = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible endpoint serving policies, recording tokens")
-    p.add_argument("--policy", default="base", help="policy loaded at start: a checkpoint id, `base` or RUN@latest "
-                   "(requests name any policy of the same base model in their `model` field)")
+    p.add_argument("--policy", default="base", help="policy loaded at start: a checkpoint id, `base`, RUN@latest or "
+                   "NAME@champion (requests name any policy of the same base model in their `model` field; an alias "
+                   "is followed: a new champion serves from the next episode on, without a restart)")
     p.add_argument("--base-model", default="SmolLM2-135M-Instruct", help="the base model when --policy is `base`")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -93,19 +93,16 @@ def log_models(ws: Workspace, parent_run_id: str, run_name: str, policies: list[
     client = ws.tracker.client
     ids = []
     for pid in policies:
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", pid):  # it goes into a filter string, which takes no parameters
-            raise ValueError(f"not a policy id: {pid!r}")
         chain = lineage(ws, pid)
         ckpt = chain[-1]
         if ckpt["adapter_uri"] is None:
             continue
-        found = client.search_logged_models([ws.tracker.experiment_id], filter_string=f"tags.`rlops.policy_id` = '{pid}'")
-        if found:
-            model_id = found[0].model_id
-        else:
+        model_id = logged_model_id(ws, pid)
+        if model_id is None:
             model = client.create_logged_model(
                 ws.tracker.experiment_id, name=_model_name(run_name, ckpt), source_run_id=ckpt["mlflow_run_id"],
-                model_type="lora-adapter", tags=_tags(run_name, chain), params={"base_model": ckpt["base_model"]})
+                model_type="lora-adapter", tags=lineage_tags(run_name, chain),
+                params={"base_model": ckpt["base_model"]})
             model_id = model.model_id
             for f in sorted(Path(ckpt["adapter_uri"]).iterdir()):
                 if f.is_file() and f.name not in NOT_LOGGED:
@@ -118,11 +115,23 @@ def log_models(ws: Workspace, parent_run_id: str, run_name: str, policies: list[
     return ids
 
 
+def logged_model_id(ws: Workspace, policy_id: str) -> str | None:
+    """The id of the MLflow logged model holding `policy_id`'s adapter, or None when it is not logged yet."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", policy_id):  # it goes into a filter string, which takes no parameters
+        raise ValueError(f"not a policy id: {policy_id!r}")
+    found = ws.tracker.client.search_logged_models([ws.tracker.experiment_id],
+                                                   filter_string=f"tags.`rlops.policy_id` = '{policy_id}'")
+    return found[0].model_id if found else None
+
+
 def _model_name(run_name: str, ckpt: dict[str, Any]) -> str:
     return f"{run_name}-{ckpt['kind']}" + (f"-step{ckpt['step']}" if ckpt["kind"] in UPDATE_KINDS else "")
 
 
-def _tags(run_name: str, chain: list[dict[str, Any]]) -> dict[str, str]:
+def lineage_tags(run_name: str, chain: list[dict[str, Any]]) -> dict[str, str]:
+    """A checkpoint's lineage as MLflow tags (its logged model's, its registered version's): the run, the chain
+    of policies from the base, the reward name@version and rollout batches it was trained on, the base model
+    with its content fingerprint, and the SFT data's hash."""
     ckpt = chain[-1]
     ids = [c["policy_id"] for c in chain]
     path = " -> ".join(ids)
@@ -137,4 +146,10 @@ def _tags(run_name: str, chain: list[dict[str, Any]]) -> dict[str, str]:
         tags["rlops.reward"] = trained_on["reward"]
     if "batches" in trained_on:
         tags["rlops.trained_on_batches"] = ",".join(trained_on["batches"])[:MAX_TAG]
+    base = (chain[0]["trained_on"] or {}) if chain[0]["kind"] == "base" else {}
+    if base.get("fingerprint"):
+        tags["rlops.base_fingerprint"] = base["fingerprint"]
+    data_hash = next(((c["trained_on"] or {}).get("data_hash") for c in chain if c["kind"] == "sft"), None)
+    if data_hash:
+        tags["rlops.sft_data_hash"] = data_hash
     return tags

@@ -24,6 +24,7 @@ from stages import cluster, evaluate, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
 from stages.policy.session import PolicySession
 from stages.reward_ref import RewardRef
+from storage.workspace import Workspace
 
 Call = Callable[..., ArtifactRef]
 # What the per-step summary shows of the GRPO stage's metrics (besides the step's reward mean).
@@ -190,6 +191,14 @@ def more_batches(cfg: RunConfig, ctx: StageContext, call: Call, policy: str, ste
         call(f"score-{step}-more{k}", score.run, cfg.score, ctx, batches=[extra.id])
         batches.append(extra.id)
     return batches
+
+
+def lineage_end(ws: Workspace, run_name: str) -> tuple[str | None, int]:
+    """(policy id, step) of the run's newest update checkpoint, where a scheduled run continues its lineage;
+    (None, 0) for a run with none (it starts from the base model, or its SFT warm-start)."""
+    # every update's checkpoint continues a lineage, whatever its algorithm (grpo, dpo, ...)
+    latest = [c for c in ws.catalog.checkpoints(run_name) if c["kind"] not in ("base", "sft")]
+    return (latest[-1]["policy_id"], int(latest[-1]["step"])) if latest else (None, 0)
 
 
 def unseen_prompts(cfg: RunConfig, ctx: StageContext, n: int) -> list[str] | None:

@@ -116,12 +116,16 @@ def _context(ws: Workspace, cfg: RunConfig) -> StageContext:
     return StageContext(ws, run_name=cfg.name, parent_run_id=parent, prefect_flow_run_id=str(flow_run.id), ray=cfg.ray)
 
 
-def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult) -> dict[str, Any]:
+def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult,
+            gate: bool) -> dict[str, Any]:
     from flows.mlflow_log import log_models
+    from flows.promotion import gate as promotion_gate
 
     final = result.evals.get(result.final, {})
     log_models(ws, ctx.parent_run_id, cfg.name, [result.final] if cfg.mlflow_models == "final"
                else [p for p in [result.sft, *result.policies] if p], final=result.final)
+    # Champion or not: registered, gated and recorded on this run before it ends (flows/promotion.py).
+    promotion = promotion_gate(cfg, ctx, result.final, prefect_call) if gate or cfg.promote is not None else None
     ws.tracker.log_metrics(ctx.parent_run_id, {f"final.{k}": v for k, v in final.items()})
     ws.tracker.set_tags(ctx.parent_run_id, {"rlops.final_policy": result.final})
     ws.tracker.end_run(ctx.parent_run_id)
@@ -131,7 +135,7 @@ def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.T
         create_table_artifact(rows, key=_key(cfg.name, "evals"), description=f"evaluations of run {cfg.name}")
     return {"run_name": cfg.name, "final": result.final, "base": result.base, "sft": result.sft,
             "evals": result.evals, "policies": result.policies, "batches": result.batches,
-            "mlflow_run_id": ctx.parent_run_id}
+            "mlflow_run_id": ctx.parent_run_id, "promotion": promotion}
 
 
 def _key(*parts: str) -> str:
@@ -177,34 +181,32 @@ def _on_step(cfg: RunConfig, background: _Background, ctx: StageContext) -> Call
 
 
 @flow(name="rlops-train")
-def train_flow(config: dict[str, Any], workspace: str | None = None, continue_lineage: bool = False) -> dict[str, Any]:
+def train_flow(config: dict[str, Any], workspace: str | None = None, continue_lineage: bool = False,
+               gate: bool = False) -> dict[str, Any]:
     """The whole pipeline for one config. `continue_lineage` starts from the run's latest checkpoint
-    (scheduled retraining) instead of the base model."""
+    (scheduled retraining) instead of the base model; `gate` applies the promotion gate even without a
+    `promote:` section (scheduled runs)."""
     cfg = from_dict(config)
     ws = Workspace.open(workspace)
     ctx = _context(ws, cfg)
-    start_policy, start_step = None, 0
-    if continue_lineage:
-        # every update's checkpoint continues a lineage, whatever its algorithm (grpo, dpo, ...)
-        latest = [c for c in ws.catalog.checkpoints(cfg.name) if c["kind"] not in ("base", "sft")]
-        if latest:
-            start_policy, start_step = latest[-1]["policy_id"], int(latest[-1]["step"])
+    start_policy, start_step = pipeline.lineage_end(ws, cfg.name) if continue_lineage else (None, 0)
     background = _Background()
     try:
         result = pipeline.train(cfg, ctx, prefect_call, start_policy, start_step, on_step=_on_step(cfg, background, ctx))
     finally:
         background.wait()
-    return _finish(ws, ctx, cfg, result)
+    return _finish(ws, ctx, cfg, result, gate)
 
 
 @flow(name="rlops-scheduled-train")
 def scheduled_train_flow(config_path: str, workspace: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """A scheduled run: re-reads the config file (so edited rewards and added task prompts are picked
-    up) and continues the run's lineage from its latest checkpoint."""
+    up), continues the run's lineage from its latest checkpoint, and gates its final checkpoint against
+    the serving champion (flows/promotion.py), every time."""
     from flows.run_config import load_run_config
 
     cfg = load_run_config(config_path, overrides)
-    return train_flow(cfg.model_dump(mode="json"), workspace, continue_lineage=True)
+    return train_flow(cfg.model_dump(mode="json"), workspace, continue_lineage=True, gate=True)
 
 
 @flow(name="rlops-rescore")

@@ -1,4 +1,5 @@
-"""The command registry and table printing shared by `flows.cli` and `flows.commands`."""
+"""The command registry, its error guard and table printing shared by `flows.cli`, `flows.commands` and
+`flows.release`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,25 @@ def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callab
         return fn
 
     return wrap
+
+
+def guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command whose expected failures print one `error: ...` line: a bad config (exit 2, every problem
+    listed), an unknown name or a refused value (KeyError, ValueError: exit 1)."""
+    from flows.config import ConfigError
+
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except (KeyError, ValueError) as e:
+            print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+            return 1
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
 
 
 # -- output ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
     sft: {data: oracle, max_steps: 60}     # optional warm-start
     rollout: {...}  score: {rewards: [...]}  grpo: {...}  eval: {...}
     ray: {address: 10.0.0.5:6379}          # optional: a Ray cluster for rollout, score and grpo workers
+    promote: {metric: accuracy, min_gain: 0}  # optional: register the final checkpoint, gate it against the champion
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flows.config import ConfigError, load_config, validate
 from stages.cluster import RayConfig
 from stages.common import Operational
 from stages.evaluate import EvalConfig
+from stages.promote import PromoteConfig, gate_problems
 from stages.rollout import RolloutConfig, TaskSpec, concurrent_episodes
 from stages.score import ScoreConfig, versions
 from stages.sft import SFTConfig
@@ -90,6 +92,10 @@ class RunConfig(BaseModel):
     # one (SFT and each GRPO step; ~1 adapter's size per step in mlartifacts/).
     mlflow_models: Literal["final", "all"] = "final"
     ray: RayConfig = RayConfig()  # where rollout, score and GRPO workers run (stages/cluster.py)
+    # The promotion gate (stages/promote.py, flows/promotion.py): the final checkpoint becomes a version of an
+    # MLflow registered model, aliased `challenger`, and `champion` when it beats the current one. None: no
+    # registration for `rlops run`; a scheduled run gates anyway, with PromoteConfig's defaults.
+    promote: PromoteConfig | None = None
 
     @field_validator("base_model")
     @classmethod
@@ -118,6 +124,19 @@ class RunConfig(BaseModel):
             raise ValueError(f"algorithm is {self.algorithm!r}, but the config sets {', '.join(unused)}: "
                              f"set `algorithm: {unused[0]}` or remove the section")
         return self
+
+    @model_validator(mode="after")
+    def _gate(self) -> RunConfig:
+        # The gate's metric must be one its evaluation produces: found now, not after a night of training.
+        problems = gate_problems(self.eval, self.gate_config)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def gate_config(self) -> PromoteConfig:
+        """The promotion gate's settings: the `promote:` section, or its defaults (what a scheduled run applies)."""
+        return self.promote or PromoteConfig()
 
     @property
     def reward_name(self) -> str:

@@ -3,7 +3,8 @@
 Prefect runs schedules only through a real server (`prefect server start`); the ephemeral server
 that `rlops run` starts on its own has no scheduler. So this command insists on `PREFECT_API_URL`
 pointing at a reachable server and says how to get one otherwise. Each scheduled run re-reads
-the config file and continues the run's lineage from its latest checkpoint.
+the config file, continues the run's lineage from its latest checkpoint, and gates its final
+checkpoint against the serving champion (flows/promotion.py, docs/PROMOTION.md).
 """
 
 from __future__ import annotations

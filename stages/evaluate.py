@@ -14,7 +14,8 @@ run's rewards, then aggregated into `evals` rows:
   out_of_turns      fraction of episodes whose last allowed turn still called a tool
 
 `compare` sets two policies' latest evaluations side by side, prompt by prompt, with a bootstrap interval
-on the accuracy difference (`rlops eval compare`).
+on the accuracy difference (`rlops eval compare`); `paired` does it for any two evaluations and per-prompt
+statistic (the promotion gate, flows/promotion.py).
 """
 
 from __future__ import annotations
@@ -107,18 +108,24 @@ def _metrics(ctx: StageContext, batch_id: str, metric: RewardRef, config: EvalCo
     return out
 
 
+# The per-prompt statistics a paired comparison can take (`paired`): each prompt's success rate, its mean
+# metric reward, and whether any of its samples succeeded (pass@k, k = the evaluation's samples).
+PAIRED_STATISTICS = ("accuracy", "reward_mean", "pass@k")
+
+
 @dataclass
 class Comparison:
-    """Policy b against policy a on the prompts both latest evaluations share (`compare`)."""
+    """Policy b against policy a on the prompts both evaluations share (`paired`)."""
 
     policy_a: str
     policy_b: str
-    metric: str  # the reward behind accuracy, name@version
+    metric: str  # the reward behind the statistic, name@version
     prompts: int  # prompts evaluated for both
-    accuracy_a: float  # mean over those prompts of each prompt's success rate
+    accuracy_a: float  # mean over those prompts of the statistic (named for the default, accuracy)
     accuracy_b: float
-    low: float  # 95 % bootstrap interval of accuracy_b - accuracy_a, resampling prompts
+    low: float  # bootstrap interval (95 % unless asked) of accuracy_b - accuracy_a, resampling prompts
     high: float
+    statistic: str = "accuracy"  # what was compared per prompt: accuracy, reward_mean or pass@k
 
     @property
     def difference(self) -> float:
@@ -127,26 +134,36 @@ class Comparison:
 
 def compare(ws: Workspace, policy_a: str, policy_b: str, split: str | None = None, resamples: int = 10_000,
             seed: int = 0) -> Comparison:
-    """Compare the latest complete evaluations of two policies (on `split`, default: any) prompt by prompt.
+    """Compare the accuracy of the latest complete evaluations of two policies (on `split`, default: any)
+    prompt by prompt (`paired`)."""
+    return paired(ws, latest_eval(ws, policy_a, split), latest_eval(ws, policy_b, split), resamples=resamples,
+                  seed=seed)
 
-    Each prompt's success rate (the share of its samples whose metric reward reaches the threshold) is
-    paired across the two policies, and the interval is a percentile bootstrap over prompts: it covers
-    the question-to-question spread, which a difference of two accuracies measured on the same few dozen
-    questions must be judged against. Both evaluations must use the same reward and threshold, or the
-    comparison is refused."""
-    evals = [latest_eval(ws, p, split) for p in (policy_a, policy_b)]
-    if (evals[0]["metric"], evals[0]["success_threshold"]) != (evals[1]["metric"], evals[1]["success_threshold"]):
-        raise ValueError(f"the latest evaluations of {policy_a} and {policy_b} use different metrics "
-                         f"({evals[0]['metric']} >= {evals[0]['success_threshold']} vs "
-                         f"{evals[1]['metric']} >= {evals[1]['success_threshold']}): nothing to pair")
-    rates = [success_by_prompt(ws, e) for e in evals]
-    shared = sorted(set(rates[0]) & set(rates[1]))
+
+def paired(ws: Workspace, eval_a: dict, eval_b: dict, statistic: str = "accuracy", resamples: int = 10_000,
+           seed: int = 0, level: float = 0.95) -> Comparison:
+    """Compare two evaluations (their artifacts' `meta`) prompt by prompt: the one home of the paired bootstrap,
+    for `rlops eval compare` and the promotion gate.
+
+    Each prompt's statistic (PAIRED_STATISTICS; the success rate by default: the share of its samples whose
+    metric reward reaches the threshold) is paired across the two evaluations, and the interval is a percentile
+    bootstrap over prompts: it covers the question-to-question spread, which a difference of two accuracies
+    measured on the same few dozen questions must be judged against. Both evaluations must use the same reward
+    and threshold, or the comparison is refused."""
+    a_id, b_id = eval_a["policy_id"], eval_b["policy_id"]
+    if (eval_a["metric"], eval_a["success_threshold"]) != (eval_b["metric"], eval_b["success_threshold"]):
+        raise ValueError(f"the evaluations of {a_id} and {b_id} use different metrics "
+                         f"({eval_a['metric']} >= {eval_a['success_threshold']} vs "
+                         f"{eval_b['metric']} >= {eval_b['success_threshold']}): nothing to pair")
+    column = "pass" if statistic.startswith("pass@") else statistic
+    values = [{p: row[column] for p, row in by_prompt(ws, e).items()} for e in (eval_a, eval_b)]
+    shared = sorted(set(values[0]) & set(values[1]))
     if not shared:
-        raise ValueError(f"the latest evaluations of {policy_a} and {policy_b} share no prompt")
-    a, b = [rates[0][p] for p in shared], [rates[1][p] for p in shared]
-    low, high = bootstrap_interval([y - x for x, y in zip(a, b)], resamples, seed)
+        raise ValueError(f"the evaluations of {a_id} and {b_id} share no prompt")
+    a, b = [values[0][p] for p in shared], [values[1][p] for p in shared]
+    low, high = bootstrap_interval([y - x for x, y in zip(a, b)], resamples, seed, level)
     n = len(shared)
-    return Comparison(policy_a, policy_b, evals[0]["metric"], n, sum(a) / n, sum(b) / n, low, high)
+    return Comparison(a_id, b_id, eval_a["metric"], n, sum(a) / n, sum(b) / n, low, high, statistic)
 
 
 def bootstrap_interval(values: list[float], resamples: int = 10_000, seed: int = 0,
@@ -175,11 +192,18 @@ def latest_eval(ws: Workspace, policy_id: str, split: str | None) -> dict:
 
 def success_by_prompt(ws: Workspace, meta: dict) -> dict[str, float]:
     """prompt_id -> the share of its eval samples that succeeded (a missing reward counts as a failure)."""
+    return {p: row["accuracy"] for p, row in by_prompt(ws, meta).items()}
+
+
+def by_prompt(ws: Workspace, meta: dict) -> dict[str, dict[str, float]]:
+    """prompt_id -> its statistics in an evaluation: `accuracy` (the share of its samples that succeeded),
+    `pass` (1.0 when any did) and `reward_mean` (the mean metric reward); a missing reward counts as 0."""
     metric = RewardRef.parse(meta["metric"])
+    success = "CASE WHEN coalesce(w.value, 0) >= $threshold - 1e-9 THEN 1.0 ELSE 0.0 END"
     rows = ws.query(
-        "SELECT r.prompt_id, avg(CASE WHEN coalesce(w.value, 0) >= $threshold - 1e-9 THEN 1.0 ELSE 0.0 END) AS rate "
-        "FROM rollouts r LEFT JOIN rewards w ON w.rollout_id = r.rollout_id AND w.reward_name = $name "
-        "AND w.reward_version = $version WHERE r.batch_id = $batch GROUP BY r.prompt_id",
+        f"SELECT r.prompt_id, avg({success}) AS accuracy, max({success}) AS pass, "
+        "avg(coalesce(w.value, 0)) AS reward_mean FROM rollouts r LEFT JOIN rewards w ON w.rollout_id = r.rollout_id "
+        "AND w.reward_name = $name AND w.reward_version = $version WHERE r.batch_id = $batch GROUP BY r.prompt_id",
         {"threshold": meta["success_threshold"], "name": metric.name, "version": metric.version,
          "batch": meta["rollouts"]}).to_pylist()
-    return {r["prompt_id"]: r["rate"] for r in rows}
+    return {r.pop("prompt_id"): r for r in rows}

@@ -3,6 +3,8 @@
     with atomic_file(path) as f:          # a hidden temp file in the same folder, fsynced, renamed
         f.write(data)
     write_text_atomic(path, text)         # the same for a string
+    with atomic_path(path) as tmp:        # a temp name, for a writer that opens the file itself
+        writer.write(tmp)
     with atomic_dir(final) as tmp:        # a temp folder next to `final`, renamed onto it at the end
         model.save_pretrained(tmp)
 
@@ -57,6 +59,27 @@ def atomic_file(path: Path | str, mode: str = "wb") -> Iterator[IO[Any]]:
         with open(tmp, mode) as f:
             yield f
             f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise (e if isinstance(e, WriteError) else write_error(path, e)) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """A temp file name next to `path`, for a writer that opens the file itself (the gguf package's): when the
+    block ends the file is fsynced and renamed onto `path`; on failure it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:

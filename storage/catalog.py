@@ -47,7 +47,17 @@ DDL = {
     "runs": """
         run_name VARCHAR PRIMARY KEY, config JSON, mlflow_run_id VARCHAR, status VARCHAR,
         started_at TIMESTAMPTZ, finished_at TIMESTAMPTZ""",
+    # One row per champion decision of a registered model (flows/promotion.py): the gate's comparison of the
+    # champion and the challenger, the first version, a manual promotion or a rollback.
+    "promotions": """
+        promotion_id VARCHAR PRIMARY KEY, model_name VARCHAR, action VARCHAR, promoted BOOLEAN, reason VARCHAR,
+        champion VARCHAR, champion_version VARCHAR, challenger VARCHAR, challenger_version VARCHAR,
+        metric VARCHAR, champion_value DOUBLE, challenger_value DOUBLE, difference DOUBLE, low DOUBLE,
+        high DOUBLE, prompts INTEGER, rule VARCHAR, champion_eval VARCHAR, challenger_eval VARCHAR,
+        run_name VARCHAR, mlflow_run_id VARCHAR, decided_at TIMESTAMPTZ""",
 }
+
+PROMOTION_COLUMNS = [c.split()[0] for c in DDL["promotions"].split(",")]
 
 
 @dataclass(frozen=True)
@@ -287,6 +297,17 @@ class Catalog:
     def get_run(self, run_name: str) -> dict[str, Any] | None:
         rows = self._rows("SELECT * FROM runs WHERE run_name = ?", [run_name])
         return _decode(rows[0]) if rows else None
+
+    # -- promotions ----------------------------------------------------------------------
+
+    def add_promotion(self, row: dict[str, Any]) -> None:
+        """Record one champion decision (PROMOTION_COLUMNS; missing ones are NULL)."""
+        self._write(["promotions"], [(f"INSERT INTO promotions VALUES ({', '.join('?' * len(PROMOTION_COLUMNS))})",
+                                      [row.get(c) for c in PROMOTION_COLUMNS])])
+
+    def promotions(self, model_name: str) -> list[dict[str, Any]]:
+        """The decisions about `model_name`, oldest first."""
+        return self._rows("SELECT * FROM promotions WHERE model_name = ? ORDER BY decided_at", [model_name])
 
 
 def read_snapshot(path: Path | str, columns: list[str] | None = None) -> pa.Table:

@@ -104,8 +104,9 @@ def build_app(service: PolicyService) -> Any:
         return await completion(service, req, episode_of(request, req.user))
 
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "rlops"}
-                                           for n in service.names()]}
+        # An entry may say more than its name: an alias's version and policy (stages/service/resolve.py).
+        return {"object": "list", "data": [{**({"id": n} if isinstance(n, str) else n), "object": "model", "created": 0,
+                                            "owned_by": "rlops"} for n in service.names()]}
 
     async def responses(req: ResponsesRequest, request: Request) -> Any:
         if req.stream:

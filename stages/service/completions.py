@@ -51,7 +51,7 @@ async def completion(service: PolicyService, req: CompletionRequest, episode_id:
     """The response body of a (non-streamed) completions request."""
     prompts, sampling = _setup(service, req)
     _, samples = await service.generate(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed,
-                                        RowOptions(top_logprobs=req.logprobs or 0))
+                                        RowOptions(top_logprobs=req.logprobs or 0), episode=episode_id)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": req.model, "choices": _choices(service, req, episode_id, prompts, sampling, samples),
             "usage": usage(sum(map(len, prompts)), samples)}
@@ -63,7 +63,7 @@ def completion_stream(service: PolicyService, req: CompletionRequest, episode_id
     prompts, sampling = _setup(service, req)
     feed = TokenFeed()
     job = service.submit(req.model, [p for p in prompts for _ in range(req.n)], sampling, req.seed,
-                         RowOptions(top_logprobs=req.logprobs or 0), on_step=feed.on_step)
+                         RowOptions(top_logprobs=req.logprobs or 0), on_step=feed.on_step, episode=episode_id)
     feed.watch(job.future)
 
     async def events() -> AsyncIterator[tuple]:

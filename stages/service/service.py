@@ -48,7 +48,7 @@ from stages.policy.vlm_chat import image_ids_of, marked_content
 from stages.policy.vlm_resident import DEFAULT_MAX_IMAGES, VisualResidentPolicy
 from stages.service.decoding import request_decoding
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
-from stages.service.resolve import Resolver
+from stages.service.resolve import EpisodePins, Names, Resolver
 from stages.service.schemas import (ChatRequest, ContentMarker, call_id, logprobs_content, stop_hit, visible_text,
                                     without_tool_calls)
 from stages.service.stream import ChoiceText, TokenFeed, chat_sse
@@ -103,11 +103,12 @@ class PolicyService:
     """The model, the recorder and the batcher behind the HTTP app."""
 
     def __init__(self, policy: ResidentPolicy, resolve: Resolver, config: ServiceConfig = ServiceConfig(),
-                 names: Callable[[], list[str]] = lambda: [], in_flight: Callable[[], int] | None = None) -> None:
+                 names: Names = lambda: [], in_flight: Callable[[], int] | None = None) -> None:
         """`in_flight`, when the caller knows it (the rollout stage), is the number of episodes
         still running: a batch is generated as soon as each of them has a request queued, instead
         of waiting out the window, and a slow straggler delays the others by the window at most."""
         self.policy, self.resolve, self.config, self.names = policy, resolve, config, names
+        self.pinned = EpisodePins(resolve)  # an episode stays on the policy its first call resolved
         self.in_flight = in_flight
         # A vision-language policy's format expands image references into placeholder tokens (vlm_chat.py).
         self.vision = policy if isinstance(policy, VisualResidentPolicy) else None
@@ -147,19 +148,20 @@ class PolicyService:
                               max_new_tokens=min(wanted, room), stop=tuple(stop))
 
     async def generate(self, model: str, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None,
-                       options: RowOptions = RowOptions(), images: list[str] | None = None) -> tuple[str, list[Sample]]:
+                       options: RowOptions = RowOptions(), images: list[str] | None = None,
+                       episode: str | None = None) -> tuple[str, list[Sample]]:
         """Queue prompts for the batcher; returns (policy id, one sample per prompt)."""
-        job = self.submit(model, prompts, sampling, seed, options, images=images)
+        job = self.submit(model, prompts, sampling, seed, options, images=images, episode=episode)
         return job.policy_id, await asyncio.wrap_future(job.future)
 
     def submit(self, model: str, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None,
                options: RowOptions = RowOptions(), on_step: Callable[[list[tuple[int, int]]], None] | None = None,
-               images: list[str] | None = None) -> _Job:
+               images: list[str] | None = None, episode: str | None = None) -> _Job:
         """Queue prompts for the batcher (an unknown model is refused here, before any streaming starts);
         the job's future gets one sample per prompt. `images`: the image ids every prompt's placeholders
-        stand for (a vision-language policy)."""
+        stand for (a vision-language policy). `episode`: the call's episode, which keeps its first policy."""
         try:
-            policy_id, adapter_dir = self.resolve(model)
+            policy_id, adapter_dir = self.pinned(model, episode)
         except KeyError as e:
             self.recorder.count_unrecorded(unknown_model=model)
             raise ServiceError(404, e.args[0] if e.args else f"unknown model {model!r}", "model_not_found") from None
@@ -302,7 +304,8 @@ class PolicyService:
 
     async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
         req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
-        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options, self._images(seen))
+        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options, self._images(seen),
+                                         episode_id)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples),
@@ -316,7 +319,7 @@ class PolicyService:
         req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
         feed = TokenFeed()
         job = self.submit(req.model, [prompt] * req.n, sampling, req.seed, options, on_step=feed.on_step,
-                          images=self._images(seen))
+                          images=self._images(seen), episode=episode_id)
         feed.watch(job.future)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 

@@ -1,6 +1,7 @@
 """A scheduled run, executed: `rlops schedule` serves its deployment on a real `prefect server`
 (127.0.0.1), the test triggers it with `run_deployment` (what the cron schedule does at its hour),
-and each run continues the lineage from the latest checkpoint on the prompts added since the last."""
+and each run continues the lineage from the latest checkpoint on the prompts added since the last,
+then goes through the promotion gate (tests/flows/test_promotion.py has the gate on a model that learns)."""
 
 from __future__ import annotations
 
@@ -109,5 +110,13 @@ def test_triggered_deployment_runs_and_continues_the_lineage_on_new_prompts(pref
     assert run1.deployment_id == run2.deployment_id and run1.id != run2.id
     run = ws.catalog.get_run("nightly")
     assert run["status"] == "complete"
-    parent = MlflowClient(ws.settings.mlflow_uri).get_run(run["mlflow_run_id"])
+    client = MlflowClient(ws.settings.mlflow_uri)
+    parent = client.get_run(run["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["rlops.final_policy"] == after2["policy_id"]
+
+    # each triggered run went through the promotion gate: the first version became the champion; the second,
+    # no better on the held-out prompt (the random tiny model answers it wrong either way), stayed challenger
+    decisions = [(r["action"], r["promoted"], r["challenger"]) for r in ws.catalog.promotions("nightly")]
+    assert decisions == [("first", True, after1["policy_id"]), ("gate", False, after2["policy_id"])]
+    assert client.get_model_version_by_alias("nightly", "champion").tags["rlops.policy_id"] == after1["policy_id"]
+    assert client.get_model_version_by_alias("nightly", "challenger").tags["rlops.policy_id"] == after2["policy_id"]

@@ -1,0 +1,85 @@
+"""The promotion gate's rule: when a challenger becomes the champion.
+
+    config = PromoteConfig(metric="accuracy", min_gain=0.0)
+    eval_config = gate_eval(run_eval, config)          # how both are evaluated: the run's `eval:`, the gate's samples
+    promoted, why = decide(comparison, config)         # comparison: stages.evaluate.paired(champion, challenger)
+
+Both policies are evaluated on the same held-out prompts with the same reward, and the difference of their
+per-prompt statistic gets a paired bootstrap interval (`stages.evaluate.paired`, as `rlops eval compare`).
+The challenger is promoted only when the interval's lower bound is above `min_gain`: with the default 0,
+when it is better and the difference is not within the prompt-to-prompt noise. Registering, moving the
+aliases and recording each decision is flows/promotion.py's.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.evaluate import Comparison, EvalConfig
+from storage.registry import NAME_PATTERN
+
+
+class PromoteConfig(BaseModel):
+    """The `promote:` section of a run config. A run with it (and every scheduled run, with these defaults
+    when it has none) registers its final checkpoint as the `challenger` and applies the gate."""
+
+    model_config = ConfigDict(extra="forbid")
+    # The MLflow registered model the run's checkpoints become versions of; None: the run's name.
+    model_name: str | None = Field(None, pattern=NAME_PATTERN)
+    # The per-prompt statistic compared: accuracy (success rate), reward_mean, or pass@k with k = samples.
+    metric: str = "accuracy"
+    # Promote when the interval's lower bound on the difference (challenger - champion) is above this:
+    # 0 asks for "better, and not within noise"; a positive value asks for a margin as well.
+    min_gain: float = 0.0
+    level: float = Field(0.95, gt=0.0, lt=1.0)  # the bootstrap interval's coverage, as `rlops eval compare`
+    resamples: int = Field(10_000, ge=100)  # bootstrap resamples: ~0.5 s for 100 prompts
+    # Samples per held-out prompt for the gate's evaluations (None: the run's eval.samples); more samples
+    # measure each prompt's success rate more finely. With samples > 1 a temperature > 0 is needed.
+    samples: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)  # None: the run's eval.temperature (greedy by default)
+
+
+def gate_eval(run_eval: EvalConfig, config: PromoteConfig) -> EvalConfig:
+    """The evaluation both champion and challenger get: the run's `eval:` section (split, prompts, reward,
+    threshold), with the gate's samples and temperature where set. With neither set it has the run's final
+    evaluation's id, so the challenger's evaluation is found done."""
+    fields = {k: getattr(run_eval, k) for k in EvalConfig.model_fields}
+    if config.samples is not None:
+        fields["samples"] = config.samples
+    if config.temperature is not None:
+        fields["temperature"] = config.temperature
+    return EvalConfig(**fields)
+
+
+def gate_problems(run_eval: EvalConfig, config: PromoteConfig) -> list[str]:
+    """What makes the gate unusable with this evaluation, each as `promote.<field>: ...` (before any work)."""
+    evaluation = gate_eval(run_eval, config)
+    produced = ["accuracy", "reward_mean"] + ([f"pass@{evaluation.samples}"] if evaluation.samples > 1 else [])
+    problems = []
+    if config.metric not in produced:
+        problems.append(f"promote.metric: {config.metric!r} is not a per-prompt metric the gate's evaluation "
+                        f"produces (samples={evaluation.samples}): one of {', '.join(produced)}")
+    if (config.samples or 1) > 1 and evaluation.temperature == 0:
+        problems.append(f"promote.samples: {evaluation.samples} greedy samples are all alike; set "
+                        "promote.temperature (or eval.temperature) above 0")
+    return problems
+
+
+def rule(config: PromoteConfig) -> str:
+    """The decision rule in words, as each promotions row records it."""
+    return (f"promote when the lower bound of the {config.level:.0%} paired bootstrap interval of "
+            f"{config.metric}(challenger) - {config.metric}(champion) is above {config.min_gain:g}")
+
+
+def decide(comparison: Comparison, config: PromoteConfig) -> tuple[bool, str]:
+    """(promoted, why) for a comparison of the champion (policy a) with the challenger (policy b)."""
+    c = comparison
+    measured = (f"{c.statistic} {c.accuracy_b:.3f} vs {c.accuracy_a:.3f} on {c.prompts} prompts: difference "
+                f"{c.difference:+.3f}, {config.level:.0%} interval [{c.low:+.3f}, {c.high:+.3f}]")
+    if c.low > config.min_gain:
+        return True, f"{measured}; the lower bound clears min_gain {config.min_gain:g}"
+    if c.high < config.min_gain:
+        return False, (f"{measured}; worse than the champion by more than the noise (the whole interval is below "
+                       f"{config.min_gain:g})")
+    return False, (f"{measured}; the lower bound does not clear min_gain {config.min_gain:g} (not better beyond the "
+                   "noise)")
