@@ -62,11 +62,14 @@ class RewardInfo:
     unversioned: tuple[str, ...] = ()  # operational params (timeouts, cache dirs) that cannot change values
     tokens: bool = False  # reads token_ids/loss_mask/behavior_logprobs (the score stage loads them only then)
     files: tuple[str, ...] = ()  # data files whose content is part of the version
+    # Values exist for some rollouts only (people's labels: rewards/human.py): one without is null with the reason,
+    # and the score stage does not count it against `max_error_fraction`.
+    partial: bool = False
 
 
 def _declare(
     kind: Literal["rollout", "group"], low: float, high: float, uses: Sequence[Any], unversioned: Sequence[str],
-    tokens: bool = False, files: Sequence[str | PathLike[str]] = (),
+    tokens: bool = False, files: Sequence[str | PathLike[str]] = (), partial: bool = False,
 ) -> Callable[[F], F]:
     if not low <= high:
         raise ValueError(f"reward range is empty: low={low} > high={high}")
@@ -74,7 +77,7 @@ def _declare(
     def mark(fn: F) -> F:
         # The function itself is returned (not a wrapper), so it stays a plain, callable, testable function.
         fn.__reward__ = RewardInfo(  # type: ignore[attr-defined]
-            kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files)
+            kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files), partial
         )
         return fn
 
@@ -83,7 +86,7 @@ def _declare(
 
 def reward(
     low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
-    files: Sequence[str | PathLike[str]] = (),
+    files: Sequence[str | PathLike[str]] = (), partial: bool = False,
 ) -> Callable[[F], F]:
     """Declare `fn(rollout, **params) -> float | (float, dict)` a reward with values in [low, high].
 
@@ -95,8 +98,10 @@ def reward(
     names that do not affect values (timeouts, cache dirs) and so stay out of the version. `tokens`: the
     reward reads the token lists (token_ids, loss_mask, behavior_logprobs); rescoring loads them only for
     such rewards, since turning ~300 token ids per rollout into Python objects would dominate its cost.
+    `partial`: the reward has values for some rollouts only (people's labels); raising on the others makes them
+    null with the reason, which the score stage does not count as failures.
     """
-    return _declare("rollout", low, high, uses, unversioned, tokens, files)
+    return _declare("rollout", low, high, uses, unversioned, tokens, files, partial)
 
 
 def group_reward(
@@ -249,9 +254,13 @@ def reward_version(spec: RewardSpec) -> str:
 def fill_params(spec: RewardSpec, **context: Any) -> RewardSpec:
     """A copy of `spec` with each `context` value set where its function takes that param and the spec
     leaves it unset: how the score stage passes workspace context, e.g. `cache_dir=<workspace>/cache/judge`."""
-    accepted = inspect.signature(load_fn(spec.fn)).parameters
-    extra = {k: v for k, v in context.items() if k in accepted and k not in spec.params}
+    extra = {k: v for k, v in context.items() if takes(spec, k) and k not in spec.params}
     return spec.model_copy(update={"params": {**spec.params, **extra}})
+
+
+def takes(spec: RewardSpec, param: str) -> bool:
+    """Whether the spec's function has a parameter named `param` (ValueError if the spec cannot be loaded)."""
+    return param in inspect.signature(load_fn(spec.fn)).parameters
 
 
 def describe_error(e: BaseException) -> str:
