@@ -7,7 +7,7 @@
   - a view `images` over the workspace's content-addressed image store (storage/images.py), to join
     with `rollouts.image_ids`, and
   - the views over people's labels (`labels`, `label_values`, `label_pairs`, the agreement views:
-    storage/labels.py), built on the registered label files as the other tables are.
+    storage/label_views.py), built on the registered label files as the other tables are.
 
 `Sandbox` is the same, locked down for `rlops sql`: only SELECT/EXPLAIN statements, no file
 access outside the data root, no extension loading, locked configuration, a memory limit and
@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from storage.catalog import DDL, read_snapshot
 from storage.images import IMAGES
-from storage.labels import VIEWS as LABEL_VIEWS
+from storage.label_views import VIEWS as LABEL_VIEWS
 from storage.parquet import DataStore
 from storage.schema import TABLES
 from storage.settings import Settings
@@ -71,7 +71,7 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
         else:
             con.execute(f"CREATE TABLE {table} ({DDL[table]})")
     for kind, schema in TABLES.items():
-        view = "_labels_rows" if kind == "labels" else kind  # `labels` itself adds `current` (storage/labels.py)
+        view = "_labels_rows" if kind == "labels" else kind  # `labels` adds `current` (storage/label_views.py)
         paths = [
             p for (p,) in con.execute(
                 "SELECT f.path FROM files f JOIN artifacts a USING (artifact_id) "
