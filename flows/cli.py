@@ -98,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", parents=[common], help="list runs, checkpoints or artifact batches")
     p.add_argument("what", choices=sorted(LS_QUERIES))
 
-    from flows import commands  # registers the pipeline commands; imports nothing heavy
+    from flows import commands, review_commands  # register the pipeline and review commands; import nothing heavy
 
     commands.add_parsers(sub, common)
+    review_commands.add_parsers(sub, common)
     return parser
 
 

@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.registry import command, print_rows
-from flows.config import ConfigError
+from flows.registry import command, guarded as _guard, print_rows
 
 
 def _config(args: argparse.Namespace):  # -> RunConfig
@@ -49,21 +48,6 @@ def _workspace_path(args: argparse.Namespace) -> Path:
 def _emit(args: argparse.Namespace, payload: dict[str, Any], last_line: str) -> None:
     """Print the created artifact's id as the last line (or one JSON object with --json)."""
     print(json.dumps(payload, default=str) if args.json else last_line)
-
-
-def _guard(fn):
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except (KeyError, ValueError) as e:
-            print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
-            return 1
-
-    wrapped.__name__ = fn.__name__
-    return wrapped
 
 
 def results_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
@@ -107,7 +91,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from storage.workspace import Workspace
 
     inputs = dict(policy=args.policy, rollouts=args.rollouts, reward=args.reward, data=args.data, step=args.step,
-                  split=args.split)
+                  split=args.split, labels=args.labels, reviewer=args.reviewer)
     if args.prefect:
         _prefect_env(_workspace_path(args))
         from flows.prefect_flows import run_here, stage_flow
@@ -333,6 +317,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--step", type=int, default=0, help="which prompts (rollout): step k takes the k-th slice")
     p.add_argument("--split", default="train", help="task split (rollout)")
     p.add_argument("--prefect", action="store_true", help="run as a Prefect flow (default: directly, no server start)")
+    p.add_argument("--labels", action="store_true", help="dpo: train on people's labels (`rlops review`): the `human` "
+                   "reward on the labelled batches (or --rollouts), so a person's ordering of a group gives the pairs")
+    p.add_argument("--reviewer", help="with --labels: only this reviewer's labels")
 
     p = sub.add_parser("rescore", parents=[cfg], help="rescore all stored rollouts of a run with the config's rewards")
     p.add_argument("--run", required=True, help="run name")

@@ -18,6 +18,25 @@ def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callab
     return wrap
 
 
+def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command whose config errors exit 2 and whose unknown names or bad values (KeyError, ValueError) exit 1,
+    each as one `error: ...` line."""
+    from flows.config import ConfigError
+
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except (KeyError, ValueError) as e:
+            print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+            return 1
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
 # -- output ------------------------------------------------------------------------------
 
 
