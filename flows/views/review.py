@@ -157,6 +157,10 @@ class Review:
                 values[rid][name] = value  # ordered by scoring time: the newest version of each name wins
             mine = dict(con.execute("SELECT rollout_id, value FROM label_values WHERE reviewer = ? AND list_contains(?, batch_id)",
                                     [reviewer, list(self.batches)]).fetchall()) if reviewer else {}
+        scored = {ref for v in values.values() for ref in v if "@" in ref}
+        if order in ("high", "low") and reward not in scored:
+            raise ReviewError(400, f"reward: a NAME@VERSION scored on run {self.run!r} ({', '.join(sorted(scored)) or 'none'}), "
+                                   f"got {reward!r}")
 
         def key(r: dict[str, Any]) -> float | None:
             v = values.get(r["rollout_id"], {})

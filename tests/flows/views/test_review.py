@@ -139,6 +139,10 @@ def test_bad_labels_are_refused_by_name_and_nothing_is_written(run_ws: Workspace
     for body, status, message in cases:
         answer = _post(review_url, body)
         assert answer.status_code == status and message in answer.json()["error"], (body, answer.text)
+    for query, message in [("order=high&reward=nope@1", "reward: a NAME@VERSION scored on run 'tools'"),
+                           ("order=random", "order: one of step, high, low, disagreement")]:
+        answer = httpx.get(f"{review_url}/api/queue?{query}", timeout=60)
+        assert answer.status_code == 400 and message in answer.json()["error"], answer.text
     form = httpx.post(review_url + "/api/labels", data={"kind": "grade"}, timeout=60)  # what a cross-site form sends
     assert form.status_code == 415
     rebound = httpx.get(review_url + "/api/info", headers={"Host": "attacker.example"}, timeout=60)  # DNS rebinding
