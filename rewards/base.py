@@ -254,7 +254,8 @@ def reward_version(spec: RewardSpec) -> str:
 def fill_params(spec: RewardSpec, **context: Any) -> RewardSpec:
     """A copy of `spec` with each `context` value set where its function takes that param and the spec
     leaves it unset: how the score stage passes workspace context, e.g. `cache_dir=<workspace>/cache/judge`."""
-    extra = {k: v for k, v in context.items() if takes(spec, k) and k not in spec.params}
+    accepted = inspect.signature(load_fn(spec.fn)).parameters  # one load: a file reward is executed on each
+    extra = {k: v for k, v in context.items() if k in accepted and k not in spec.params}
     return spec.model_copy(update={"params": {**spec.params, **extra}})
 
 
