@@ -41,106 +41,243 @@ button{padding:.25rem .7rem}#score{width:5rem}#note{flex:1;min-width:12rem}
 """
 
 SCRIPT = r"""
-window.addEventListener('error',function(e){document.documentElement.dataset.jsError=String(e.message)});
-(function(){'use strict';
-var $=function(id){return document.getElementById(id)};
-var S={info:null,busy:false,queue:[],pos:-1,labels:{grades:{},orders:{}},episode:null,saves:0,order:[],chosen:0,drag:null};
-function api(method,path,body){var o={method:method,headers:{'Accept':'application/json'},credentials:'same-origin'};
- if(body!==undefined){o.headers['Content-Type']='application/json';o.body=JSON.stringify(body)}
- return fetch(path,o).then(function(r){return r.json().then(function(d){if(!r.ok)throw new Error(d&&d.error||('HTTP '+r.status));return d})})}
-function status(text,error){var s=$('status');s.textContent=text;s.className=error?'error':'';
- if(error)document.documentElement.dataset.error=text}
-function fail(e){status(String(e.message||e),true)}
-function reviewer(){return $('reviewer').value.trim()}
-function fmt(v){return v===null||v===undefined?'–':String(Math.round(v*1000)/1000)}
-function groupKey(b,g){return b+'/'+g}
-function item(id){for(var i=0;i<S.queue.length;i++)if(S.queue[i].rollout_id===id)return S.queue[i];return null}
-function ordered(it){var o=S.labels.orders[groupKey(it.batch_id,it.group_id)];return !!o&&o.indexOf(it.rollout_id)>=0}
-function loadLabels(){return api('GET','/api/labels?reviewer='+encodeURIComponent(reviewer())).then(function(l){S.labels=l})}
-function loadQueue(){var q='/api/queue?order='+encodeURIComponent($('order').value)+'&reviewer='+encodeURIComponent(reviewer());
- if($('reward').value)q+='&reward='+encodeURIComponent($('reward').value);
- return api('GET',q).then(function(items){S.queue=items;renderQueue()})}
-function renderQueue(){var ol=$('queue');ol.textContent='';
- S.queue.forEach(function(it,i){var li=document.createElement('li'),g=S.labels.grades[it.rollout_id],o=ordered(it);
-  li.className='item'+(i===S.pos?' active':'')+(g?' graded':'')+(o?' ordered':'');li.dataset.rolloutId=it.rollout_id;
-  if(g)li.dataset.mine=g.value;
-  var m=document.createElement('div');m.className='meta';
-  m.textContent=(it.step===null?it.split:'step '+it.step)+' · '+it.group_id.slice(-12)+' · #'+it.sample_idx+
-   (it.key!==null?' · '+fmt(it.key):'')+(g?' · ✓ '+fmt(g.value):'')+(o?' · ordered':'');
-  var a=document.createElement('div');a.className='answer';a.textContent=it.answer;
-  li.appendChild(m);li.appendChild(a);li.addEventListener('click',function(){show(i)});ol.appendChild(li)})}
-function show(i){if(i<0||i>=S.queue.length)return Promise.resolve();S.pos=i;var id=S.queue[i].rollout_id;
- return api('GET','/api/episodes/'+encodeURIComponent(id)).then(function(ep){S.episode=ep;
-  var main=$('episode');main.dataset.rolloutId=ep.rollout_id;
-  $('title').textContent=ep.rollout_id+' · '+(ep.step===null?ep.split:'step '+ep.step)+' · group '+ep.group_id+' · sample '+ep.sample_idx;
-  $('truth').textContent='task data: '+JSON.stringify(ep.metadata);
-  $('episode-body').innerHTML=ep.html;  // the server's escaped HTML (inspect_render.episode_body)
-  mine();renderQueue();var a=document.querySelector('#queue li.active');if(a)a.scrollIntoView({block:'nearest'});
-  document.documentElement.dataset.ready='1'})}
-function mine(){var ep=S.episode,g=ep&&S.labels.grades[ep.rollout_id],o=ep&&S.labels.orders[groupKey(ep.batch_id,ep.group_id)];
- $('mine').textContent=ep?('your grade: '+(g?fmt(g.value)+(g.note?' ('+g.note+')':''):'none')+
-  (o?' · group ordered: #'+(o.indexOf(ep.rollout_id)+1)+' of '+o.length:'')):''}
-function saved(r){S.saves+=1;document.body.dataset.saves=S.saves;$('note').value='';
- delete document.documentElement.dataset.error;status('saved '+r.kind+' ('+r.submission_id+')')}
-function busy(p){S.busy=true;return p.then(function(){S.busy=false},function(e){S.busy=false;fail(e)})}
-function grade(v){var ep=S.episode;if(!ep||S.busy)return;
- busy(api('POST','/api/labels',{kind:'grade',workspace_id:S.info.workspace_id,reviewer:reviewer(),rollout_id:ep.rollout_id,
-  value:v,note:$('note').value||null}).then(function(r){S.labels.grades[ep.rollout_id]={value:v,note:$('note').value||null};
-  return show(Math.min(S.pos+1,S.queue.length-1)).then(function(){saved(r)})}))}
-function openOrder(){var ep=S.episode;if(!ep)return;var had=S.labels.orders[groupKey(ep.batch_id,ep.group_id)]||[];
- S.order=had.filter(function(r){return ep.group.indexOf(r)>=0}).concat(ep.group.filter(function(r){return had.indexOf(r)<0}));
- S.chosen=Math.max(0,S.order.indexOf(ep.rollout_id));$('group-panel').hidden=false;renderOrder()}
-function closeOrder(){$('group-panel').hidden=true}
-function renderOrder(){var ol=$('order-list');ol.textContent='';
- S.order.forEach(function(id,i){var li=document.createElement('li'),it=item(id);li.dataset.rolloutId=id;
-  li.className=(i===S.chosen?'chosen':'')+(S.drag===id?' dragging':'');
-  li.textContent=(it?'#'+it.sample_idx+' '+(it.answer||'(no answer)'):id)+(S.episode&&id===S.episode.rollout_id?'  ← this episode':'');
-  ol.appendChild(li)})}
-function move(d){var j=S.chosen+d;if(j<0||j>=S.order.length)return;var x=S.order[S.chosen];S.order[S.chosen]=S.order[j];S.order[j]=x;S.chosen=j;renderOrder()}
-function saveOrder(){var ep=S.episode,order=S.order.slice();if(S.busy)return;
- busy(api('POST','/api/labels',{kind:'order',workspace_id:S.info.workspace_id,reviewer:reviewer(),order:order,note:$('note').value||null})
- .then(function(r){S.labels.orders[groupKey(ep.batch_id,ep.group_id)]=order;closeOrder();mine();renderQueue();saved(r)}))}
-// Dragging a row: mouse events (what a person's mouse and the browser test send), no HTML drag-and-drop.
-$('order-list').addEventListener('mousedown',function(e){var li=e.target.closest('li');if(!li)return;e.preventDefault();
- S.drag=li.dataset.rolloutId;S.chosen=S.order.indexOf(S.drag);renderOrder()});
-document.addEventListener('mousemove',function(e){if(!S.drag)return;var over=document.elementFromPoint(e.clientX,e.clientY);
- var li=over&&over.closest&&over.closest('#order-list li');if(!li||li.dataset.rolloutId===S.drag)return;
- var from=S.order.indexOf(S.drag),to=S.order.indexOf(li.dataset.rolloutId);S.order.splice(from,1);S.order.splice(to,0,S.drag);
- S.chosen=to;renderOrder()});
-document.addEventListener('mouseup',function(){if(S.drag){S.drag=null;renderOrder()}});
-document.addEventListener('keydown',function(e){var t=e.target,typing=t&&(t.tagName==='INPUT'||t.tagName==='SELECT'||t.tagName==='TEXTAREA');
- if(e.key==='Escape'){if(typing)t.blur();closeOrder();$('help').hidden=true;return}
- if(typing){if(e.key==='Enter'&&t.id==='score'){e.preventDefault();t.blur();grade(parseFloat(t.value));t.value=''}return}
- if(e.ctrlKey||e.metaKey||e.altKey)return;
- if(!$('group-panel').hidden){var k={ArrowUp:-1,ArrowDown:1}[e.key];
-  if(k){e.preventDefault();if(e.shiftKey)move(k);else{S.chosen=Math.min(Math.max(S.chosen+k,0),S.order.length-1);renderOrder()}}
-  else if(e.key==='Enter'){e.preventDefault();saveOrder()}return}
- var grades={g:1,b:0,'1':0,'2':0.25,'3':0.5,'4':0.75,'5':1};
- if(e.key in grades){e.preventDefault();grade(grades[e.key])}
- else if(e.key==='j'||e.key==='ArrowDown'){e.preventDefault();show(S.pos+1).catch(fail)}
- else if(e.key==='k'||e.key==='ArrowUp'){e.preventDefault();show(S.pos-1).catch(fail)}
- else if(e.key==='Enter'){e.preventDefault();if($('score').value!=='')grade(parseFloat($('score').value))}
- else if(e.key==='n'){e.preventDefault();$('note').focus()}
- else if(e.key==='o'){e.preventDefault();openOrder()}
- else if(e.key==='?'){$('help').hidden=!$('help').hidden}});
-$('good').addEventListener('click',function(){grade(1)});$('bad').addEventListener('click',function(){grade(0)});
-$('save-score').addEventListener('click',function(){grade(parseFloat($('score').value));$('score').value=''});
-$('order-group').addEventListener('click',openOrder);$('save-order').addEventListener('click',saveOrder);
-$('close-order').addEventListener('click',closeOrder);$('help-button').addEventListener('click',function(){$('help').hidden=!$('help').hidden});
-$('up').addEventListener('click',function(){move(-1)});$('down').addEventListener('click',function(){move(1)});
-function reload(){var id=S.episode&&S.episode.rollout_id;return loadQueue().then(function(){
- var i=S.queue.findIndex(function(x){return x.rollout_id===id});return show(i>=0?i:0)})}
-$('order').addEventListener('change',function(){reload().catch(fail)});
-$('reward').addEventListener('change',function(){if($('order').value!=='step'&&$('order').value!=='disagreement')reload().catch(fail)});
-$('reviewer').addEventListener('change',function(){localStorage.setItem('rlops-reviewer',reviewer());loadLabels().then(reload).catch(fail)});
-api('GET','/api/info').then(function(info){S.info=info;
- info.rewards.forEach(function(r){var o=document.createElement('option');o.value=r;o.textContent=r;$('reward').appendChild(o)});
- if(info.default_reward)$('reward').value=info.default_reward;
- var d=$('order').querySelector('option[value=disagreement]');
- if(info.judge&&info.programmatic)d.textContent='disagreements first ('+info.judge+' vs '+info.programmatic+')';else d.disabled=true;
- $('reviewer').value=localStorage.getItem('rlops-reviewer')||info.reviewer||'';
- return loadLabels()}).then(loadQueue).then(function(){
- var first=S.queue.findIndex(function(x){return !S.labels.grades[x.rollout_id]&&!ordered(x)});return show(first>=0?first:0)}).catch(fail);
+window.addEventListener('error', function (e) { document.documentElement.dataset.jsError = String(e.message); });
+(function () {
+'use strict';
+var $ = function (id) { return document.getElementById(id); };
+var S = {info: null, busy: false, queue: [], pos: -1, labels: {grades: {}, orders: {}}, episode: null, saves: 0,
+         order: [], chosen: 0, drag: null};
+
+// -- the server ------------------------------------------------------------------------------
+function api(method, path, body) {
+  var o = {method: method, headers: {'Accept': 'application/json'}, credentials: 'same-origin'};
+  if (body !== undefined) { o.headers['Content-Type'] = 'application/json'; o.body = JSON.stringify(body); }
+  return fetch(path, o).then(function (r) {
+    return r.json().then(function (d) { if (!r.ok) throw new Error(d && d.error || ('HTTP ' + r.status)); return d; });
+  });
+}
+function status(text, error) {
+  var s = $('status'); s.textContent = text; s.className = error ? 'error' : '';
+  if (error) document.documentElement.dataset.error = text;
+}
+function fail(e) { status(String(e.message || e), true); }
+// One label in flight at a time: a key pressed meanwhile is ignored, not applied to the wrong episode.
+function busy(p) {
+  S.busy = true;
+  return p.then(function () { S.busy = false; }, function (e) { S.busy = false; fail(e); });
+}
+function reviewer() { return $('reviewer').value.trim(); }
+function fmt(v) { return v === null || v === undefined ? '–' : String(Math.round(v * 1000) / 1000); }
+function groupKey(b, g) { return b + '/' + g; }
+function item(id) { return S.queue.find(function (x) { return x.rollout_id === id; }) || null; }
+function ordered(it) {
+  var o = S.labels.orders[groupKey(it.batch_id, it.group_id)];
+  return !!o && o.indexOf(it.rollout_id) >= 0;
+}
+function loadLabels() {
+  return api('GET', '/api/labels?reviewer=' + encodeURIComponent(reviewer())).then(function (l) { S.labels = l; });
+}
+
+// -- the queue and the episode (model text is set as text, or is the server's escaped HTML) ----
+function loadQueue() {
+  var q = '/api/queue?order=' + encodeURIComponent($('order').value) + '&reviewer=' + encodeURIComponent(reviewer());
+  if ($('reward').value) q += '&reward=' + encodeURIComponent($('reward').value);
+  return api('GET', q).then(function (items) { S.queue = items; renderQueue(); });
+}
+function renderQueue() {
+  var ol = $('queue');
+  ol.textContent = '';
+  S.queue.forEach(function (it, i) {
+    var li = document.createElement('li'), g = S.labels.grades[it.rollout_id], o = ordered(it);
+    li.className = 'item' + (i === S.pos ? ' active' : '') + (g ? ' graded' : '') + (o ? ' ordered' : '');
+    li.dataset.rolloutId = it.rollout_id;
+    if (g) li.dataset.mine = g.value;
+    var m = document.createElement('div');
+    m.className = 'meta';
+    m.textContent = (it.step === null ? it.split : 'step ' + it.step) + ' · ' + it.group_id.slice(-12) + ' · #' +
+      it.sample_idx + (it.key !== null ? ' · ' + fmt(it.key) : '') + (g ? ' · ✓ ' + fmt(g.value) : '') +
+      (o ? ' · ordered' : '');
+    var a = document.createElement('div');
+    a.className = 'answer';
+    a.textContent = it.answer;
+    li.appendChild(m); li.appendChild(a);
+    li.addEventListener('click', function () { show(i); });
+    ol.appendChild(li);
+  });
+}
+function show(i) {
+  if (i < 0 || i >= S.queue.length) return Promise.resolve();
+  S.pos = i;
+  return api('GET', '/api/episodes/' + encodeURIComponent(S.queue[i].rollout_id)).then(function (ep) {
+    S.episode = ep;
+    $('episode').dataset.rolloutId = ep.rollout_id;
+    $('title').textContent = ep.rollout_id + ' · ' + (ep.step === null ? ep.split : 'step ' + ep.step) + ' · group ' +
+      ep.group_id + ' · sample ' + ep.sample_idx;
+    $('truth').textContent = 'task data: ' + JSON.stringify(ep.metadata);
+    $('episode-body').innerHTML = ep.html;  // escaped by the server (inspect_render.episode_body)
+    mine();
+    renderQueue();
+    var a = document.querySelector('#queue li.active');
+    if (a) a.scrollIntoView({block: 'nearest'});
+    document.documentElement.dataset.ready = '1';
+  });
+}
+function mine() {
+  var ep = S.episode, g = ep && S.labels.grades[ep.rollout_id], o = ep && S.labels.orders[groupKey(ep.batch_id, ep.group_id)];
+  $('mine').textContent = !ep ? '' : 'your grade: ' + (g ? fmt(g.value) + (g.note ? ' (' + g.note + ')' : '') : 'none') +
+    (o ? ' · group ordered: #' + (o.indexOf(ep.rollout_id) + 1) + ' of ' + o.length : '');
+}
+function saved(r) {
+  S.saves += 1;
+  document.body.dataset.saves = S.saves;
+  $('note').value = '';
+  delete document.documentElement.dataset.error;
+  status('saved ' + r.kind + ' (' + r.submission_id + ')');
+}
+
+// -- grading: then the next episode ------------------------------------------------------------
+function grade(v) {
+  var ep = S.episode, note = $('note').value || null;
+  if (!ep || S.busy) return;
+  busy(api('POST', '/api/labels', {kind: 'grade', workspace_id: S.info.workspace_id, reviewer: reviewer(),
+                                   rollout_id: ep.rollout_id, value: v, note: note}).then(function (r) {
+    S.labels.grades[ep.rollout_id] = {value: v, note: note};
+    return show(Math.min(S.pos + 1, S.queue.length - 1)).then(function () { saved(r); });
+  }));
+}
+function typedScore() {
+  var box = $('score'), v = box.value;
+  box.blur();  // the keys work again
+  box.value = '';
+  if (v !== '') grade(parseFloat(v));
+}
+
+// -- ordering the group: keys, buttons, or dragging rows (mouse events, no HTML drag-and-drop) ----
+function openOrder() {
+  var ep = S.episode;
+  if (!ep) return;
+  var had = S.labels.orders[groupKey(ep.batch_id, ep.group_id)] || [];  // the saved order first, then the rest
+  S.order = had.filter(function (r) { return ep.group.indexOf(r) >= 0; })
+    .concat(ep.group.filter(function (r) { return had.indexOf(r) < 0; }));
+  S.chosen = Math.max(0, S.order.indexOf(ep.rollout_id));
+  $('group-panel').hidden = false;
+  renderOrder();
+}
+function closeOrder() { $('group-panel').hidden = true; }
+function renderOrder() {
+  var ol = $('order-list');
+  ol.textContent = '';
+  S.order.forEach(function (id, i) {
+    var li = document.createElement('li'), it = item(id);
+    li.dataset.rolloutId = id;
+    li.className = (i === S.chosen ? 'chosen' : '') + (S.drag === id ? ' dragging' : '');
+    li.textContent = (it ? '#' + it.sample_idx + ' ' + (it.answer || '(no answer)') : id) +
+      (S.episode && id === S.episode.rollout_id ? '  ← this episode' : '');
+    ol.appendChild(li);
+  });
+}
+function move(d) {
+  var j = S.chosen + d;
+  if (j < 0 || j >= S.order.length) return;
+  var x = S.order[S.chosen]; S.order[S.chosen] = S.order[j]; S.order[j] = x;
+  S.chosen = j;
+  renderOrder();
+}
+function choose(d) { S.chosen = Math.min(Math.max(S.chosen + d, 0), S.order.length - 1); renderOrder(); }
+function saveOrder() {
+  var ep = S.episode, order = S.order.slice();
+  if (S.busy) return;
+  busy(api('POST', '/api/labels', {kind: 'order', workspace_id: S.info.workspace_id, reviewer: reviewer(),
+                                   order: order, note: $('note').value || null}).then(function (r) {
+    S.labels.orders[groupKey(ep.batch_id, ep.group_id)] = order;
+    closeOrder(); mine(); renderQueue(); saved(r);
+  }));
+}
+$('order-list').addEventListener('mousedown', function (e) {
+  var li = e.target.closest('li');
+  if (!li) return;
+  e.preventDefault();
+  S.drag = li.dataset.rolloutId;
+  S.chosen = S.order.indexOf(S.drag);
+  renderOrder();
+});
+document.addEventListener('mousemove', function (e) {
+  if (!S.drag) return;
+  var over = document.elementFromPoint(e.clientX, e.clientY), li = over && over.closest && over.closest('#order-list li');
+  if (!li || li.dataset.rolloutId === S.drag) return;
+  var from = S.order.indexOf(S.drag), to = S.order.indexOf(li.dataset.rolloutId);
+  S.order.splice(from, 1);
+  S.order.splice(to, 0, S.drag);
+  S.chosen = to;
+  renderOrder();
+});
+document.addEventListener('mouseup', function () { if (S.drag) { S.drag = null; renderOrder(); } });
+
+// -- keys ----------------------------------------------------------------------------------------
+var GRADES = {g: 1, b: 0, '1': 0, '2': 0.25, '3': 0.5, '4': 0.75, '5': 1};
+document.addEventListener('keydown', function (e) {
+  var t = e.target, typing = t && (t.tagName === 'INPUT' || t.tagName === 'SELECT' || t.tagName === 'TEXTAREA');
+  if (e.key === 'Escape') { if (typing) t.blur(); closeOrder(); $('help').hidden = true; return; }
+  if (typing) { if (e.key === 'Enter' && t.id === 'score') { e.preventDefault(); typedScore(); } return; }
+  if (e.ctrlKey || e.metaKey || e.altKey) return;
+  var step = {ArrowUp: -1, ArrowDown: 1}[e.key];
+  if (!$('group-panel').hidden) {
+    if (step) { e.preventDefault(); if (e.shiftKey) move(step); else choose(step); }
+    else if (e.key === 'Enter') { e.preventDefault(); saveOrder(); }
+    return;
+  }
+  if (e.key in GRADES) { e.preventDefault(); grade(GRADES[e.key]); }
+  else if (e.key === 'j' || e.key === 'k' || step) {
+    e.preventDefault();
+    show(S.pos + (e.key === 'k' || step === -1 ? -1 : 1)).catch(fail);
+  }
+  else if (e.key === 'Enter') { e.preventDefault(); typedScore(); }
+  else if (e.key === 'n') { e.preventDefault(); $('note').focus(); }
+  else if (e.key === 'o') { e.preventDefault(); openOrder(); }
+  else if (e.key === '?') { $('help').hidden = !$('help').hidden; }
+});
+
+// -- buttons, selectors, and the start ------------------------------------------------------------
+function toggleHelp() { $('help').hidden = !$('help').hidden; }
+$('good').addEventListener('click', function () { grade(1); });
+$('bad').addEventListener('click', function () { grade(0); });
+$('save-score').addEventListener('click', typedScore);
+$('order-group').addEventListener('click', openOrder);
+$('save-order').addEventListener('click', saveOrder);
+$('close-order').addEventListener('click', closeOrder);
+$('help-button').addEventListener('click', toggleHelp);
+$('up').addEventListener('click', function () { move(-1); });
+$('down').addEventListener('click', function () { move(1); });
+function reload() {  // the queue again (another order, reward or reviewer), staying on the episode shown
+  var id = S.episode && S.episode.rollout_id;
+  return loadQueue().then(function () {
+    var i = S.queue.findIndex(function (x) { return x.rollout_id === id; });
+    return show(i >= 0 ? i : 0);
+  });
+}
+$('order').addEventListener('change', function () { reload().catch(fail); });
+$('reward').addEventListener('change', function () {
+  if ($('order').value === 'high' || $('order').value === 'low') reload().catch(fail);
+});
+$('reviewer').addEventListener('change', function () {
+  localStorage.setItem('rlops-reviewer', reviewer());
+  loadLabels().then(reload).catch(fail);
+});
+api('GET', '/api/info').then(function (info) {
+  S.info = info;
+  info.rewards.forEach(function (r) {
+    var o = document.createElement('option'); o.value = r; o.textContent = r; $('reward').appendChild(o);
+  });
+  if (info.default_reward) $('reward').value = info.default_reward;
+  var d = $('order').querySelector('option[value=disagreement]');
+  if (info.judge && info.programmatic) d.textContent = 'disagreements first (' + info.judge + ' vs ' + info.programmatic + ')';
+  else d.disabled = true;
+  $('reviewer').value = localStorage.getItem('rlops-reviewer') || info.reviewer || '';
+  return loadLabels();
+}).then(loadQueue).then(function () {  // start at the first episode without a label of this reviewer's
+  var first = S.queue.findIndex(function (x) { return !S.labels.grades[x.rollout_id] && !ordered(x); });
+  return show(first >= 0 ? first : 0);
+}).catch(fail);
 })();
 """
 
