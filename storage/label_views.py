@@ -14,6 +14,7 @@
                             and the mean tau (flows/views/agreement.py adds intervals, per run)
     reviewer_agreement_groups  per (reviewer_a, reviewer_b, group): reviewer_b's values judged against reviewer_a's
                             pairs, as a reward is
+    reviewer_episodes       per (reviewer_a < reviewer_b, episode both labelled): their two values
 """
 
 # Which rows are current: the latest submission of a reviewer on an episode (grades) or a group (orderings).
@@ -83,7 +84,14 @@ SELECT reviewer_a, reviewer_b, batch_id, group_id, any_value(kind) AS kind,
 FROM judged GROUP BY reviewer_a, reviewer_b, batch_id, group_id
 """
 
+# Two reviewers' values of the same episodes, whether or not those make pairs (a held-out episode is a group of one).
+REVIEWER_EPISODES_VIEW = """
+SELECT a.reviewer AS reviewer_a, b.reviewer AS reviewer_b, a.rollout_id, a.batch_id, a.group_id,
+       a.value AS value_a, b.value AS value_b
+FROM label_values a JOIN label_values b ON a.rollout_id = b.rollout_id AND a.reviewer < b.reviewer
+"""
+
 # name -> SQL, created in this order over the `_labels_rows` view of the registered files (storage.sql.open_views).
 VIEWS = {"labels": LABELS_VIEW, "label_values": LABEL_VALUES_VIEW, "label_pairs": LABEL_PAIRS_VIEW,
          "label_agreement_groups": LABEL_AGREEMENT_GROUPS_VIEW, "label_agreement": LABEL_AGREEMENT_VIEW,
-         "reviewer_agreement_groups": REVIEWER_AGREEMENT_GROUPS_VIEW}
+         "reviewer_agreement_groups": REVIEWER_AGREEMENT_GROUPS_VIEW, "reviewer_episodes": REVIEWER_EPISODES_VIEW}

@@ -50,6 +50,18 @@ class Agreement:
     tau_high: float | None
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """Two reviewers on the episodes both labelled, pairs or not (a held-out episode is a group of one)."""
+
+    reviewers: str  # "alice and bob"
+    episodes: int
+    same_verdict: float  # both good (value >= 0.5) or both bad
+    low: float  # its 95 % bootstrap interval over the episodes
+    high: float
+    mean_abs_difference: float
+
+
 @dataclass
 class AgreementReport:
     run: str
@@ -57,6 +69,7 @@ class AgreementReport:
     labelled: int  # episodes of the run with a current label of theirs
     rewards: list[Agreement] = field(default_factory=list)  # by reward name, then version
     between_reviewers: list[Agreement] = field(default_factory=list)
+    same_episodes: list[Overlap] = field(default_factory=list)
 
 
 def measure(judge: str, rows: list[dict[str, Any]], resamples: int = RESAMPLES, seed: int = 0) -> Agreement:
@@ -94,6 +107,18 @@ def measure(judge: str, rows: list[dict[str, Any]], resamples: int = RESAMPLES, 
                      tau_low if ranked else None, tau_high if ranked else None)
 
 
+def overlap(reviewers: str, values: list[tuple[float, float]], resamples: int = RESAMPLES, seed: int = 0) -> Overlap:
+    """Two reviewers' (value_a, value_b) on the same episodes: the share with the same verdict, with a bootstrap
+    interval over the episodes, and the mean absolute difference."""
+    import numpy as np
+
+    a, b = np.array(values).T  # (E,) each
+    same = ((a >= 0.5) == (b >= 0.5)).astype(float)
+    draws = np.random.default_rng(seed).multinomial(len(same), np.full(len(same), 1 / len(same)), size=resamples)
+    low, high = np.percentile(draws @ same / len(same), [100 * (1 - LEVEL) / 2, 100 * (1 + LEVEL) / 2])
+    return Overlap(reviewers, len(same), float(same.mean()), float(low), float(high), float(np.abs(a - b).mean()))
+
+
 def agreement(ws: Workspace, run: str, reviewer: str | None = None) -> AgreementReport:
     """Every reward scored on `run`'s labelled episodes against the labels (of `reviewer`, or everyone's), and
     each reviewer against each other where they labelled the same groups. KeyError naming the run when it has no
@@ -112,7 +137,12 @@ def agreement(ws: Workspace, run: str, reviewer: str | None = None) -> Agreement
             "SELECT reviewer_b || ' vs ' || reviewer_a AS judge, * FROM reviewer_agreement_groups "
             "WHERE list_contains($batches, batch_id) AND ($reviewer IS NULL OR $reviewer IN (reviewer_a, reviewer_b)) "
             "ORDER BY reviewer_a, reviewer_b", params={"batches": batches, "reviewer": reviewer}).to_arrow_table().to_pylist()
+        both = con.execute(
+            "SELECT reviewer_a || ' and ' || reviewer_b, list((value_a, value_b)) FROM reviewer_episodes "
+            "WHERE list_contains($batches, batch_id) AND ($reviewer IS NULL OR $reviewer IN (reviewer_a, reviewer_b)) "
+            "GROUP BY reviewer_a, reviewer_b ORDER BY 1", {"batches": batches, "reviewer": reviewer}).fetchall()
     report = AgreementReport(run, labelled[0] or [], labelled[1])
+    report.same_episodes = [overlap(names, [tuple(v) for v in values]) for names, values in both]
     for judges, rows in ((report.rewards, by_reward), (report.between_reviewers, by_reviewer)):
         grouped: dict[str, list[dict[str, Any]]] = {}
         for r in rows:
@@ -135,15 +165,23 @@ def _row(a: Agreement) -> list[Any]:
             a.ranked_groups, None if a.mean_tau is None else round(a.mean_tau, 4), _interval(a.tau_low, a.tau_high)]
 
 
+OVERLAP_COLUMNS = ["reviewers", "episodes", "same_verdict", "interval", "mean_abs_difference"]
+
+
+def _overlap_row(o: Overlap) -> list[Any]:
+    return [o.reviewers, o.episodes, round(o.same_verdict, 4), _interval(o.low, o.high), round(o.mean_abs_difference, 4)]
+
+
 def print_agreement(report: AgreementReport, as_json: bool = False) -> None:
-    """The report as two tables (rewards, then reviewers), or as JSON lines with `--json` (one per judge, with
-    `between_reviewers` true or false and the raw fields)."""
+    """The report as tables (rewards, then reviewers by pairs, then by episodes), or as JSON lines with `--json`, one
+    per row, its `table` saying which: rewards, reviewer_pairs or reviewer_episodes."""
     if as_json:
         import json
 
-        for kind, judges in ((False, report.rewards), (True, report.between_reviewers)):
-            for a in judges:
-                print(json.dumps({"run": report.run, "between_reviewers": kind, **asdict(a)}))
+        for table, rows in (("rewards", report.rewards), ("reviewer_pairs", report.between_reviewers),
+                            ("reviewer_episodes", report.same_episodes)):
+            for row in rows:
+                print(json.dumps({"run": report.run, "table": table, **asdict(row)}))
         return
     print(f"run {report.run}: {report.labelled} episodes labelled by {', '.join(report.reviewers) or 'nobody yet'}; "
           f"pairwise accuracy and Kendall's tau per reward, {LEVEL:.0%} bootstrap intervals over groups")
@@ -151,11 +189,14 @@ def print_agreement(report: AgreementReport, as_json: bool = False) -> None:
     if report.between_reviewers:
         print("between reviewers (B vs A: B's labels judged on A's pairs)")
         print_rows(COLUMNS, [_row(a) for a in report.between_reviewers])
+    if report.same_episodes:
+        print("between reviewers, on the episodes both labelled (verdict: value >= 0.5 is good)")
+        print_rows(OVERLAP_COLUMNS, [_overlap_row(o) for o in report.same_episodes])
 
 
 def agreement_html(report: AgreementReport) -> str:
     """The run page's section: both tables, or a line saying that nobody labelled the run's episodes yet."""
-    if not report.rewards and not report.between_reviewers:
+    if not report.rewards and not report.between_reviewers and not report.same_episodes:
         return (f"<p class='meta'>No labelled preferences on this run yet ({report.labelled} episodes labelled): "
                 f"<code>rlops review {esc(report.run)}</code> opens the review page.</p>")
     head = "".join(f"<th>{esc(c.replace('_', ' '))}</th>" for c in COLUMNS)
@@ -172,4 +213,9 @@ def agreement_html(report: AgreementReport) -> str:
            table(report.rewards, "rewards")]
     if report.between_reviewers:
         out += ["<h3>Between reviewers</h3>", table(report.between_reviewers, "reviewers")]
+    if report.same_episodes:
+        rows = "".join(f"<tr data-reviewers='{esc(o.reviewers)}'>" + "".join(f"<td>{esc(fmt(v) if isinstance(v, float) else v)}</td>"
+                       for v in _overlap_row(o)) + "</tr>" for o in report.same_episodes)
+        out += ["<h3>Between reviewers, on the episodes both labelled</h3><table class='agreement overlap'><tr>"
+                + "".join(f"<th>{esc(c.replace('_', ' '))}</th>" for c in OVERLAP_COLUMNS) + f"</tr>{rows}</table>"]
     return "".join(out)

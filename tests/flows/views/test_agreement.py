@@ -34,3 +34,11 @@ def test_the_interval_comes_from_resampling_groups() -> None:
     assert split.mean_tau is None and split.tau_low is None and split.ranked_groups == 0
     # Seeded: the same rows give the same interval.
     assert measure("r@1", [row("g0", 2, 2, 0, 0), row("g1", 2, 0, 2, 0)]) == split
+
+
+def test_two_reviewers_on_the_same_episodes() -> None:
+    from flows.views.agreement import overlap
+
+    o = overlap("a and b", [(1.0, 1.0), (0.0, 0.0), (1.0, 0.0), (0.6, 0.4)])  # the last: good vs bad at 0.5
+    assert (o.episodes, o.same_verdict, o.mean_abs_difference) == (4, 0.5, pytest.approx(0.3))
+    assert 0.0 <= o.low <= 0.5 <= o.high <= 1.0

@@ -53,7 +53,7 @@ def test_agreement_with_labels_from_ground_truth(run_ws: Workspace, review_url: 
     report = cli(run_ws.root, "review", "agreement", "tools", "--reviewer", "truth", "--json")
     assert report.returncode == 0, report.stderr[-3000:]
     lines = [json.loads(line) for line in report.stdout.splitlines()]
-    rows = {r["judge"].split("@")[0]: r for r in lines if not r["between_reviewers"]}  # (other tests' reviewers too)
+    rows = {r["judge"].split("@")[0]: r for r in lines if r["table"] == "rewards"}  # (other tests' reviewers: the rest)
     # 4 groups of 3 with 1 or 2 right answers: 2 preferences each
     assert rows["correct"]["accuracy"] == 1.0 and rows["correct"]["pairs"] == 8 and rows["correct"]["groups"] == 4
     assert rows["correct"]["accuracy_low"] == 1.0 and rows["wrong"]["accuracy"] == 0.0
@@ -73,6 +73,10 @@ def test_agreement_with_labels_from_ground_truth(run_ws: Workspace, review_url: 
     between = {a.judge: a for a in second.between_reviewers}
     assert between["contrarian vs truth"].accuracy == 0.0 and between["contrarian vs truth"].pairs == 8
     assert between["truth vs contrarian"].pairs == 12 and between["truth vs contrarian"].mean_tau is not None
+    # On the same episodes: contrarian's orderings put a right answer at 0.5 in groups with two right ones (g1, g3),
+    # the only two of twelve episodes where the verdicts (>= 0.5: good) agree.
+    both = next(o for o in second.same_episodes if o.reviewers == "contrarian and truth")
+    assert both.episodes == 12 and both.same_verdict == pytest.approx(2 / 12) and both.low < both.same_verdict
 
     # The same numbers in SQL (the views `rlops sql` has) and on the run page (every reviewer's labels).
     by_sql = {r["reward_name"]: r["accuracy"] for r in run_ws.query(
