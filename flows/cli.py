@@ -98,10 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", parents=[common], help="list runs, checkpoints or artifact batches")
     p.add_argument("what", choices=sorted(LS_QUERIES))
 
-    from flows import commands, release  # register the pipeline and release commands; import nothing heavy
+    # register the pipeline, release and review commands; import nothing heavy
+    from flows import commands, release, review_commands
 
     commands.add_parsers(sub, common)
     release.add_parsers(sub, common)
+    review_commands.add_parsers(sub, common)
     return parser
 
 

@@ -96,7 +96,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from storage.workspace import Workspace
 
     inputs = dict(policy=args.policy, rollouts=args.rollouts, reward=args.reward, data=args.data, step=args.step,
-                  split=args.split)
+                  split=args.split, labels=args.labels, reviewer=args.reviewer)
     if args.prefect:
         _prefect_env(_workspace_path(args))
         from flows.prefect_flows import run_here, stage_flow
@@ -328,6 +328,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--step", type=int, default=0, help="which prompts (rollout): step k takes the k-th slice")
     p.add_argument("--split", default="train", help="task split (rollout)")
     p.add_argument("--prefect", action="store_true", help="run as a Prefect flow (default: directly, no server start)")
+    p.add_argument("--labels", action="store_true", help="dpo: train on people's labels (`rlops review`): the `human` "
+                   "reward on the labelled batches (or --rollouts), so a person's ordering of a group gives the pairs")
+    p.add_argument("--reviewer", help="with --labels: only this reviewer's labels")
 
     p = sub.add_parser("rescore", parents=[cfg], help="rescore all stored rollouts of a run with the config's rewards")
     p.add_argument("--run", required=True, help="run name")

@@ -109,6 +109,7 @@ def ray_workers(cfg: RunConfig) -> dict[str, int]:
 def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | None, start_step: int,
            on_step: Callable[[dict[str, Any]], None]) -> TrainResult:
     ws = ctx.ws
+    cfg = with_workspace_context(cfg, ws)
     cluster.prepare(ctx.ray, ray_workers(cfg), overlapped=cfg.max_staleness > 0)
     base = base_policy(ws, cfg.base_model)
     policy, sft_policy = start_policy or base, None
@@ -213,8 +214,16 @@ def unseen_prompts(cfg: RunConfig, ctx: StageContext, n: int) -> list[str] | Non
     return unseen[:n] if len(unseen) >= n else None
 
 
+def with_workspace_context(cfg: RunConfig, ws: Any) -> RunConfig:
+    """`cfg` with its rewards' workspace context filled in once (`score.in_workspace`: the judge's cache, people's
+    labels), so every stage call of a run sees the same labels, and the version each step writes is the one its
+    update trains on, even while someone keeps labelling. The stored run config stays the unfilled one."""
+    return cfg.model_copy(update={"score": score.in_workspace(cfg.score, ws)})
+
+
 def rescore(cfg: RunConfig, ctx: StageContext, run_name: str, call: Call = direct) -> list[ArtifactRef]:
     """Score every stored training rollout batch of `run_name` with the config's (edited) rewards."""
+    cfg = with_workspace_context(cfg, ctx.ws)  # one version of a label-reading reward over all the batches
     batches = run_batches(ctx, run_name)
     return [call(f"rescore-{i}", score.run, cfg.score, ctx, batches=[b]) for i, b in enumerate(batches)]
 
@@ -223,6 +232,7 @@ def retrain(cfg: RunConfig, ctx: StageContext, from_policy: str, run_name: str, 
     """Replay the GRPO updates of `run_name` from `from_policy` on its stored (rescored) rollouts:
     no generation; a new lineage branch trained on the config's current reward version."""
     policy, lineage = from_policy, []
+    cfg = with_workspace_context(cfg, ctx.ws)
     reward = RewardRef.configured(cfg.score, cfg.reward_name)
     cluster.prepare(ctx.ray, ray_workers(cfg))
     with resident(ctx) as ctx:  # one model for every update of the replay

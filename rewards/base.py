@@ -62,6 +62,9 @@ class RewardInfo:
     unversioned: tuple[str, ...] = ()  # operational params (timeouts, cache dirs) that cannot change values
     tokens: bool = False  # reads token_ids/loss_mask/behavior_logprobs (the score stage loads them only then)
     files: tuple[str, ...] = ()  # data files whose content is part of the version
+    # Values exist for some rollouts only (people's labels: rewards/human.py): one without is null with the reason,
+    # and the score stage does not count it against `max_error_fraction`.
+    partial: bool = False
     # (task name, task params, the reward's params) -> problems: what a config check can know about the reward
     # and its task before any rollout exists (rewards.reasoning_gym: a verifier of another dataset). Not part of
     # the version: it never changes a value.
@@ -70,7 +73,7 @@ class RewardInfo:
 
 def _declare(
     kind: Literal["rollout", "group"], low: float, high: float, uses: Sequence[Any], unversioned: Sequence[str],
-    tokens: bool = False, files: Sequence[str | PathLike[str]] = (),
+    tokens: bool = False, files: Sequence[str | PathLike[str]] = (), partial: bool = False,
     task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
 ) -> Callable[[F], F]:
     if not low <= high:
@@ -80,7 +83,7 @@ def _declare(
         # The function itself is returned (not a wrapper), so it stays a plain, callable, testable function.
         fn.__reward__ = RewardInfo(  # type: ignore[attr-defined]
             kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files),
-            task_check,
+            partial=partial, task_check=task_check,
         )
         return fn
 
@@ -89,7 +92,7 @@ def _declare(
 
 def reward(
     low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
-    files: Sequence[str | PathLike[str]] = (),
+    files: Sequence[str | PathLike[str]] = (), partial: bool = False,
     task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
 ) -> Callable[[F], F]:
     """Declare `fn(rollout, **params) -> float | (float, dict)` a reward with values in [low, high].
@@ -102,10 +105,12 @@ def reward(
     names that do not affect values (timeouts, cache dirs) and so stay out of the version. `tokens`: the
     reward reads the token lists (token_ids, loss_mask, behavior_logprobs); rescoring loads them only for
     such rewards, since turning ~300 token ids per rollout into Python objects would dominate its cost.
-    `task_check(task_name, task_params, params) -> [problem, ...]`: a mismatch between the reward's params
-    and the run's task that config validation reports before any compute (`task_problems`).
+    `partial`: the reward has values for some rollouts only (people's labels); raising on the others makes them
+    null with the reason, which the score stage does not count as failures. `task_check(task_name, task_params,
+    params) -> [problem, ...]`: a mismatch between the reward's params and the run's task that config validation
+    reports before any compute (`task_problems`).
     """
-    return _declare("rollout", low, high, uses, unversioned, tokens, files, task_check)
+    return _declare("rollout", low, high, uses, unversioned, tokens, files, partial, task_check)
 
 
 def group_reward(
@@ -264,9 +269,14 @@ def task_problems(spec: RewardSpec, task_name: str, task_params: dict[str, Any])
 def fill_params(spec: RewardSpec, **context: Any) -> RewardSpec:
     """A copy of `spec` with each `context` value set where its function takes that param and the spec
     leaves it unset: how the score stage passes workspace context, e.g. `cache_dir=<workspace>/cache/judge`."""
-    accepted = inspect.signature(load_fn(spec.fn)).parameters
+    accepted = inspect.signature(load_fn(spec.fn)).parameters  # one load: a file reward is executed on each
     extra = {k: v for k, v in context.items() if k in accepted and k not in spec.params}
     return spec.model_copy(update={"params": {**spec.params, **extra}})
+
+
+def takes(spec: RewardSpec, param: str) -> bool:
+    """Whether the spec's function has a parameter named `param` (ValueError if the spec cannot be loaded)."""
+    return param in inspect.signature(load_fn(spec.fn)).parameters
 
 
 def describe_error(e: BaseException) -> str:

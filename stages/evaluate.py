@@ -58,6 +58,7 @@ def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_sta
                                                  "prompts_per_step": n,
                                                  "groups_per_shard": max(rollout_config.groups_per_shard, 32 // config.samples)})
     batch = rollout_stage.run(roll_cfg, ctx, policy_id, task, split=config.split, step=0)
+    score_config = score_stage.in_workspace(score_config, ctx.ws)  # the version scored is the one read below
     scored = score_stage.run(score_config, ctx, [batch.id])
     metric = RewardRef.configured(score_config, score_config.default_reward(config.metric))
 

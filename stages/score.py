@@ -26,12 +26,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from rewards.base import Outcome, RewardSpec, compute, fill_params, info, load_fn, reward_version, total_version, weighted_total
+from rewards.base import (Outcome, RewardSpec, compute, fill_params, info, load_fn, reward_version, takes, total_version,
+                          weighted_total)
 from stages.cluster import connect, reserve
 from stages.common import CODE_VERSION, ArtifactRef, Operational, StageContext, run_stage
 from storage.ids import artifact_id, config_hash
+from storage.labels import label_values
 from storage.parquet import DataStore
 from storage.schema import ROLLOUTS, Rollout, from_table, now, reward_table
+from storage.workspace import Workspace
 
 # Left out of the read unless a reward reads tokens; image_ids too (no reward reads images yet), so a
 # batch written before schema version 3, which lacks that column, still rescores.
@@ -67,14 +70,28 @@ def versions(config: ScoreConfig) -> dict[str, str]:
     return out
 
 
+def in_workspace(config: ScoreConfig, ws: Workspace) -> ScoreConfig:
+    """`config` with what its rewards take from the workspace set where a function has the param and the spec leaves
+    it unset (`rewards.base.fill_params`): the judge's response cache (`cache_dir`, unversioned) and people's labels
+    (`labels`: rollout id -> reviewer -> value, the `human` reward's; versioned, so new labels are a new version).
+
+    The one home of that context. The score stage fills it on every call; a pipeline fills it once at its start
+    (flows/pipeline.py), so that every step's score stage and the version the update trains on
+    (`RewardRef.configured`) see the same labels while someone keeps labelling. Filled params are kept."""
+    context: dict[str, Any] = {"cache_dir": str(ws.judge_cache_dir)}
+    if any(takes(s, "labels") and "labels" not in s.params for s in config.rewards):
+        context["labels"] = label_values(ws)  # one query, only when a reward reads labels
+    return config.model_copy(update={"rewards": [fill_params(s, **context) for s in config.rewards]})
+
+
 def part_id(batch_id: str, name: str, version: str) -> str:
     return artifact_id("score", [batch_id], {"reward": name}, f"{CODE_VERSION}:{version}")
 
 
 def run(config: ScoreConfig, ctx: StageContext, batches: list[str]) -> ArtifactRef:
     """Score `batches` with every reward of `config` (computing only what is missing)."""
-    specs = [fill_params(s, cache_dir=str(ctx.ws.judge_cache_dir)) for s in config.rewards]
-    vers = versions(config)
+    config = in_workspace(config, ctx.ws)
+    specs, vers = config.rewards, versions(config)
     stage_config = {"rewards": vers, "total": config.total}
 
     def body(set_id: str, mlflow_run_id: str) -> dict[str, float]:
@@ -110,7 +127,8 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
     stats: dict[str, list[float]] = {}  # name -> [count, sum, sum of squares, errors] over all batches
     for (batch_id, _, _, missing, total_missing), (ids, computed) in zip(todo, _outcomes_of(config, ctx, todo, placements)):
         for spec in missing:
-            _check_errors(spec.name, computed[spec.name], config.max_error_fraction)
+            if not info(load_fn(spec.fn)).partial:  # a partial reward's nulls are rollouts it has no value for
+                _check_errors(spec.name, computed[spec.name], config.max_error_fraction)
         parts = {s.name: computed[s.name] for s in missing}
         if total_missing:
             components = [computed.get(s.name) or _stored(ws, batch_id, s.name, vers[s.name], ids) for s in specs]

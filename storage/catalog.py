@@ -1,9 +1,12 @@
 """The DuckDB catalog: which artifacts exist, which files hold them, checkpoints, stage runs.
 
-Only the pipeline's driver process writes it, and it holds the connection only for the
-duration of one call (DuckDB allows one writing process per file). After every write the
-changed table is copied to `<workspace>/catalog/<table>.parquet` (atomically), so readers
-such as `rlops sql` never open the DuckDB file and work while a pipeline is running.
+The pipeline's driver process writes it, and so does `rlops review` (a long-running server that
+registers people's labels), each holding the file only for the duration of one call. DuckDB allows one
+process to have the file open at a time and refuses another at once, so every call first takes an
+exclusive lock on `catalog.duckdb.lock` (`_turn`): processes take turns, a second one waits for the
+first's call to end (milliseconds) instead of failing. After every write the changed table is copied to
+`<workspace>/catalog/<table>.parquet` (atomically), so readers such as `rlops sql` never open the
+DuckDB file and work while a pipeline is running.
 
 An artifact is visible (in the SQL views, to `get_artifact`) only once `complete_artifact`
 has marked it complete, which happens after all its files are written and registered.
@@ -11,9 +14,11 @@ has marked it complete, which happens after all its files are written and regist
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -76,6 +81,31 @@ _CONNECTION_LOCK = threading.RLock()  # re-entrant: a catalog method may query i
 _ALIAS = "rlops_catalog"  # the catalog file's name while attached
 _home: tuple[int, duckdb.DuckDBPyConnection] | None = None  # (pid, this process's in-memory DuckDB)
 _attached: tuple[Path, bool] | None = None  # (file, write) attached now: a nested call on it gets a cursor of its own
+TURN_TIMEOUT_S = 120.0  # a call takes milliseconds; a process holding the file this long is stuck, not busy
+
+
+@contextmanager
+def _turn(catalog: Path) -> Iterator[None]:
+    """This process's turn at the catalog file: an exclusive `flock` on `<catalog>.lock`, held until the block ends.
+
+    DuckDB refuses to open a file another process has open ("Could not set lock"), so two writers (a pipeline
+    and `rlops review` registering labels, or two `rlops stage` commands) would fail each other's calls at
+    random. With the lock they wait their turn. The kernel releases it when the process dies, so a killed
+    process never leaves the catalog locked; the descriptor is close-on-exec, so a child never inherits it."""
+    fd = os.open(f"{catalog}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + TURN_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has held the catalog {catalog} for {TURN_TIMEOUT_S:.0f} s") from None
+                time.sleep(0.002)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _home_db() -> duckdb.DuckDBPyConnection:
@@ -107,31 +137,44 @@ class Catalog:
         thread both record stages, and DuckDB refuses a read-only and a read-write connection to one file
         open together in a process (and two snapshot writes of one table would race). The file is open
         (and locked against other processes) only inside this block."""
-        global _attached
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with _CONNECTION_LOCK:
-            home = _home_db()
-            outer = _attached
+            _home_db()  # this process's own state (a forked child starts with none attached)
+            if _attached is None:  # the outermost call takes this process's turn at the file
+                with _turn(self.path):
+                    with self._attach(write) as con:
+                        yield con
+            else:
+                with self._attach(write) as con:
+                    yield con
+
+    @contextmanager
+    def _attach(self, write: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor on the catalog file attached to this process's DuckDB (attached here unless a call around this
+        one attached it already); the caller holds `_CONNECTION_LOCK`."""
+        global _attached
+        home = _home_db()
+        outer = _attached
+        if outer is None:
+            quoted = str(self.path).replace("'", "''")
+            home.execute(f"ATTACH '{quoted}' AS {_ALIAS}" + ("" if write else " (READ_ONLY)"))
+            _attached = (self.path, write)
+        elif outer[0] != self.path or (write and not outer[1]):  # inside another call's connection
+            raise RuntimeError(f"a catalog connection to {self.path} (write={write}) cannot open inside one to "
+                               f"{outer[0]} (write={outer[1]})")
+        con = home.cursor()
+        try:
+            con.execute(f"USE {_ALIAS}")
+            if write and not self._initialised:
+                for table, columns in DDL.items():
+                    con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
+                self._initialised = True
+            yield con
+        finally:
+            con.close()  # rolls back a transaction left open by an error
             if outer is None:
-                quoted = str(self.path).replace("'", "''")
-                home.execute(f"ATTACH '{quoted}' AS {_ALIAS}" + ("" if write else " (READ_ONLY)"))
-                _attached = (self.path, write)
-            elif outer[0] != self.path or (write and not outer[1]):  # inside another call's connection
-                raise RuntimeError(f"a catalog connection to {self.path} (write={write}) cannot open inside one to "
-                                   f"{outer[0]} (write={outer[1]})")
-            con = home.cursor()
-            try:
-                con.execute(f"USE {_ALIAS}")
-                if write and not self._initialised:
-                    for table, columns in DDL.items():
-                        con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
-                    self._initialised = True
-                yield con
-            finally:
-                con.close()  # rolls back a transaction left open by an error
-                if outer is None:
-                    _attached = None
-                    home.execute(f"DETACH {_ALIAS}")
+                _attached = None
+                home.execute(f"DETACH {_ALIAS}")
 
     def _write(self, tables: list[str], statements: list[tuple[str, list[Any]]]) -> None:
         with self.connect() as con:

@@ -94,8 +94,29 @@ EVALS = pa.schema(
     ]
 )
 
+# People's judgements of episodes (`rlops review`, storage/labels.py): append-only, one row per labelled episode
+# of a submission. A grade is one row; an ordering of a group is one row per ranked episode, best first.
+LABELS = pa.schema(
+    [
+        ("label_id", pa.string()),  # <submission_id>-<position>
+        ("submission_id", pa.string()),  # one per grade or ordering sent; the catalog artifact holding the rows
+        ("workspace_id", pa.string()),  # the workspace the reviewer's page was serving (Workspace.workspace_id)
+        ("reviewer", pa.string()),
+        ("kind", pa.string()),  # grade | order
+        ("rollout_id", pa.string()),
+        ("batch_id", pa.string()),
+        ("group_id", pa.string()),
+        ("value", pa.float64()),  # in [0, 1]: the grade (good 1, bad 0), or an ordering's (n - rank) / (n - 1)
+        ("rank", pa.int32()),  # order: 1 = best; null for a grade
+        ("ranked", pa.int32()),  # order: how many episodes the ordering holds; null for a grade
+        ("note", pa.string()),
+        ("created_at", TS),
+        ("schema_version", pa.int32()),
+    ]
+)
+
 # Parquet table kind -> schema. The data folder has one subfolder per kind.
-TABLES: dict[str, pa.Schema] = {"rollouts": ROLLOUTS, "rewards": REWARDS, "evals": EVALS}
+TABLES: dict[str, pa.Schema] = {"rollouts": ROLLOUTS, "rewards": REWARDS, "evals": EVALS, "labels": LABELS}
 
 
 def now() -> datetime:
@@ -221,8 +242,28 @@ def segment_bounds(segment_starts: list[int] | None, num_tokens: int) -> list[tu
     return [(a, b) for a, b in zip(edges, edges[1:])]
 
 
-R = TypeVar("R", Rollout, RewardRow, EvalRow)
-_RECORDS: dict[type, pa.Schema] = {Rollout: ROLLOUTS, RewardRow: REWARDS, EvalRow: EVALS}
+@dataclass
+class Label:
+    """One person's judgement of one episode; one row of `labels` (see LABELS)."""
+
+    label_id: str
+    submission_id: str
+    workspace_id: str
+    reviewer: str
+    kind: str
+    rollout_id: str
+    batch_id: str
+    group_id: str
+    value: float
+    rank: int | None
+    ranked: int | None
+    note: str | None
+    created_at: datetime = field(default_factory=now)
+    schema_version: int = SCHEMA_VERSION
+
+
+R = TypeVar("R", Rollout, RewardRow, EvalRow, Label)
+_RECORDS: dict[type, pa.Schema] = {Rollout: ROLLOUTS, RewardRow: REWARDS, EvalRow: EVALS, Label: LABELS}
 _JSON_COLUMNS = {"metadata", "sampling", "details"}
 
 

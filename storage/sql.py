@@ -5,7 +5,9 @@
   - tables `artifacts`, `files`, `checkpoints`, `stage_runs`, `runs` loaded from the catalog's
     Parquet snapshots (never from catalog.duckdb, which a running pipeline holds for writing), and
   - a view `images` over the workspace's content-addressed image store (storage/images.py), to join
-    with `rollouts.image_ids`.
+    with `rollouts.image_ids`, and
+  - the views over people's labels (`labels`, `label_values`, `label_pairs`, the agreement views:
+    storage/label_views.py), built on the registered label files as the other tables are.
 
 `Sandbox` is the same, locked down for `rlops sql`: only SELECT/EXPLAIN statements, no file
 access outside the data root, no extension loading, locked configuration, a memory limit and
@@ -29,6 +31,7 @@ import pyarrow as pa
 
 from storage.catalog import DDL, read_snapshot
 from storage.images import IMAGES
+from storage.label_views import VIEWS as LABEL_VIEWS
 from storage.parquet import DataStore
 from storage.schema import TABLES
 from storage.settings import Settings
@@ -68,6 +71,7 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
         else:
             con.execute(f"CREATE TABLE {table} ({DDL[table]})")
     for kind, schema in TABLES.items():
+        view = "_labels_rows" if kind == "labels" else kind  # `labels` adds `current` (storage/label_views.py)
         paths = [
             p for (p,) in con.execute(
                 "SELECT f.path FROM files f JOIN artifacts a USING (artifact_id) "
@@ -87,13 +91,15 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
         con.execute(f"CREATE TABLE _{kind} AS SELECT * FROM _empty_{kind}")
         con.unregister(f"_empty_{kind}")
         if readable and data.local:
-            con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind} UNION ALL BY NAME "
+            con.execute(f"CREATE VIEW {view} AS SELECT * FROM _{kind} UNION ALL BY NAME "
                         f"SELECT * FROM read_parquet({_sql_list(readable)}, union_by_name=true)")
         elif readable:  # object storage: pyarrow scans, DuckDB never opens a remote path itself
             con.register(f"_{kind}_files", data.dataset(readable, schema))
-            con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind} UNION ALL BY NAME SELECT * FROM _{kind}_files")
+            con.execute(f"CREATE VIEW {view} AS SELECT * FROM _{kind} UNION ALL BY NAME SELECT * FROM _{kind}_files")
         else:
-            con.execute(f"CREATE VIEW {kind} AS SELECT * FROM _{kind}")
+            con.execute(f"CREATE VIEW {view} AS SELECT * FROM _{kind}")
+    for name, sql in LABEL_VIEWS.items():
+        con.execute(f"CREATE VIEW {name} AS {sql}")
     _images_view(con, settings.images_dir)
     return views
 

@@ -11,12 +11,15 @@ Local and remote set-ups differ only in `Settings` (a data-root URI, a tracking 
 
 from __future__ import annotations
 
+import os
+import uuid
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from storage.atomic import write_text_atomic
 from storage.catalog import Catalog, Published
 from storage.parquet import DataStore, FileInfo
 from storage.settings import Settings
@@ -76,6 +79,23 @@ class Workspace:
             return views.con.sql(sql, params=params).to_arrow_table()
         finally:
             views.con.close()
+
+    @cached_property
+    def workspace_id(self) -> str:
+        """A random id made once per workspace (the file `workspace_id`): what a label names, so a page left open
+        on another workspace's review server cannot write into this one (the same run config gives the same
+        rollout ids in every workspace). Two processes creating it at once agree: the first link wins."""
+        path = self.root / "workspace_id"
+        if not path.exists():
+            tmp = self.root / f".workspace_id.{uuid.uuid4().hex[:8]}"
+            write_text_atomic(tmp, f"ws-{uuid.uuid4().hex[:16]}\n")
+            try:
+                os.link(tmp, path)  # fails if another process made it first: theirs is kept
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return path.read_text().strip()
 
     @property
     def judge_cache_dir(self) -> Path:

@@ -308,13 +308,17 @@ def _html_meta(ep: Episode) -> str:
             f"tool calls {r.num_tool_calls} · policy {esc(r.policy_id)}</div>")
 
 
+def episode_body(ep: Episode) -> str:
+    """An episode as every page shows it, escaped: its meta line, reward rows and judge explanations, environment
+    steps, conversation (tool calls, tool results, images) and token runs (the review page inserts this)."""
+    return f"{_html_meta(ep)}{_html_scores(ep.scores)}{_html_env_steps(ep)}{_html_conversation(ep)}{_html_tokens(ep)}"
+
+
 def _html_episode(ep: Episode, label: str, ref: str) -> str:
     value = _value(ep, ref)
     return (f"<article class='episode' id='ep-{esc(ep.rollout_id)}' data-rollout-id='{esc(ep.rollout_id)}' "
             f"data-rank='{esc(label)}' data-value='{esc(value)}'><h3>{esc(label)} · {esc(ref)} = {fmt(value)} · "
-            f"{esc(ep.rollout_id)}</h3>{_html_meta(ep)}{_html_scores(ep.scores)}{_html_env_steps(ep)}"
-            f"{_html_conversation(ep)}"
-            f"{_html_tokens(ep)}</article>")
+            f"{esc(ep.rollout_id)}</h3>{episode_body(ep)}</article>")
 
 
 def _html_change(c: Change, diff: Diff, i: int) -> str:

@@ -181,6 +181,25 @@ def run_batches(ws: Workspace, run: str, step: int | None = None) -> dict[str, i
     return out
 
 
+def episode_batches(ws: Workspace, run: str) -> dict[str, int | None]:
+    """Every rollout batch of `run`, for people to review and to measure rewards against their labels: its training
+    batches (`run_batches`, with the update step that trained on each) and then the batches it generated
+    otherwise (held-out evaluations), with step None. KeyError naming the run when it generated none."""
+    try:
+        out = run_batches(ws, run)
+    except KeyError:  # a run without training batches (steps: 0) may still have evaluated
+        out = {}
+    with read_views(ws) as con:
+        source = run_config(con, run).get("retrain_of") or run
+        for (batch,) in con.execute(
+                "SELECT s.artifact_id FROM stage_runs s JOIN artifacts a USING (artifact_id) WHERE s.stage = 'rollout' "
+                "AND s.run_name = ? AND a.status = 'complete' GROUP BY 1 ORDER BY min(a.completed_at)", [source]).fetchall():
+            out.setdefault(batch, None)
+    if not out:
+        raise KeyError(f"run {run!r} has no rollout batches in this workspace (see `rlops ls runs`)")
+    return out
+
+
 def inspect_run(ws: Workspace, run: str, reward: str | None = None, step: int | None = None, top: int = 5) -> Inspection:
     """The top-`top` and bottom-`top` episodes of `run` per version of `reward` (NAME or NAME@VERSION;
     default: the reward the run trains on), over all its training batches or those of update `step`."""
@@ -212,8 +231,8 @@ def inspect_run(ws: Workspace, run: str, reward: str | None = None, step: int | 
             worst = [r for (r,) in con.execute(order.format("ASC", "DESC"),
                                                [name, v, list(batches), min(top, scored - len(best))]).fetchall()]
             picked.append((f"{name}@{v}", scored, errors, mean, best, worst))
-        episodes = _episodes(con, [r for p in picked for r in p[4] + p[5]], batches, _store(ws))
-    view.rankings = [Ranking(ref, scored, errors, mean, [episodes[r] for r in best], [episodes[r] for r in worst])
+        found = episodes(con, [r for p in picked for r in p[4] + p[5]], batches, image_store(ws))
+    view.rankings = [Ranking(ref, scored, errors, mean, [found[r] for r in best], [found[r] for r in worst])
                      for ref, scored, errors, mean, best, worst in picked]
     return view
 
@@ -247,10 +266,10 @@ def diff_versions(ws: Workspace, run: str, a: str, b: str, step: int | None = No
             f"SELECT * FROM ({pairs}) WHERE before IS DISTINCT FROM after "
             "ORDER BY (before IS NULL OR after IS NULL) DESC, abs(after - before) DESC, rollout_id LIMIT ?",
             params + [top]).fetchall()
-        episodes = _episodes(con, [r for r, _, _ in rows], batches, _store(ws))
+        found = episodes(con, [r for r, _, _ in rows], batches, image_store(ws))
         columns = _columns(con, batches)
     return Diff(run, a, b, step, compared, changed, columns,
-                [Change(episodes[r], before, after) for r, before, after in rows])
+                [Change(found[r], before, after) for r, before, after in rows])
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -295,11 +314,11 @@ def _columns(con: duckdb.DuckDBPyConnection, batches: dict[str, int | None]) -> 
         "GROUP BY reward_name, reward_version ORDER BY reward_name, min(scored_at)", [list(batches)]).fetchall()]
 
 
-def _store(ws: Workspace) -> ImageStore:
+def image_store(ws: Workspace) -> ImageStore:
     return ImageStore(ws.settings.images_dir)
 
 
-def _episodes(con: duckdb.DuckDBPyConnection, ids: list[str], batches: dict[str, int | None],
+def episodes(con: duckdb.DuckDBPyConnection, ids: list[str], batches: dict[str, int | None],
               images: ImageStore) -> dict[str, Episode]:
     """rollout id -> Episode, with its decoded token runs, all its reward rows and its stored images."""
     ids = list(dict.fromkeys(ids))

@@ -65,13 +65,15 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("._") or "_"
 
 
-def page(title: str, body: str) -> str:
-    """A complete, self-contained HTML document."""
-    digest = base64.b64encode(hashlib.sha256(SCRIPT.encode()).digest()).decode()
-    csp = f"default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'sha256-{digest}'"
+def page(title: str, body: str, script: str = SCRIPT, css: str = "", connect: bool = False) -> str:
+    """A complete, self-contained HTML document running `script` (the text filter by default) and no other.
+    `connect`: the script may call the server the page came from (the review page's API); nothing else."""
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    csp = (f"default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'sha256-{digest}'"
+           + ("; connect-src 'self'" if connect else ""))
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
             f"<meta http-equiv='Content-Security-Policy' content=\"{csp}\">"
-            f"<title>{esc(title)}</title><style>{CSS}</style></head><body>{body}<script>{SCRIPT}</script></body></html>")
+            f"<title>{esc(title)}</title><style>{CSS}{css}</style></head><body>{body}<script>{script}</script></body></html>")
 
 
 def write_page(path: Path, title: str, body: str) -> Path:

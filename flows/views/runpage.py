@@ -6,8 +6,9 @@ It answers "did this run learn, and on what?": training curves per update step, 
 `algorithm:` (GRPO: reward mean with its std band, zero-variance share, loss, clip fraction, KL,
 tokens/s; DPO: loss, reward accuracy and margin; PPO: policy and value loss, explained variance), the
 held-out metrics by checkpoint (a curve and a table), the lineage (base -> SFT -> each step, and the retrain
-branches replayed from this run), and links to the inspected episodes: the run's best and worst
-episodes overall and at each step, and any version diffs written for it. Everything is read from
+branches replayed from this run), each reward's agreement with the labels people gave the run's episodes
+(`rlops review`), and links to the inspected episodes: the run's best and worst episodes overall and at each step,
+and any version diffs written for it. Everything is read from
 the catalog and the Parquet views, the source of truth (MLflow holds the same curves).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flows.views.agreement import agreement, agreement_html
 from flows.views.inspect_render import inspect_page_path, write_inspection_html
 from flows.views.inspection import inspect_run, read_views, run_batches, train_reward
 from flows.views.pages import esc, fmt, line_chart, write_page
@@ -63,15 +65,25 @@ def write_run_page(ws: Workspace, run: str, out_dir: Path | None = None, top: in
             f"{esc(row['finished_at'])} · train reward {esc(reward)} · task {esc((config.get('task') or {}).get('name'))} · "
             f"base model {esc(config.get('base_model'))} · MLflow run {esc(row['mlflow_run_id'])}</p>",
             "<nav>" + "".join(f"<a href='#{a}'>{t}</a>" for a, t in (
-                ("curves", "curves"), ("heldout", "held-out"), ("lineage", "lineage"), ("episodes", "episodes"))) + "</nav>",
+                ("curves", "curves"), ("heldout", "held-out"), ("lineage", "lineage"), ("labels", "labels"),
+                ("episodes", "episodes"))) + "</nav>",
             "<h2 id='curves'>Training curves</h2>", _curves(ws, chain, evals),
             "<h2 id='heldout'>Held-out evaluations by checkpoint</h2>", _eval_table(chain, evals),
             "<h2 id='lineage'>Lineage</h2>", _lineage_html(chain, branches),
+            "<h2 id='labels'>Rewards against people's labels</h2>", _agreement(ws, run),
             "<h2 id='episodes'>Inspected episodes</h2><ul class='inspect-links'>"
             + "".join(f"<li><a href='{esc(p.relative_to(out_dir).as_posix())}'>{esc(t)}</a></li>" for t, p in links)
             + "".join(f"<li><a href='{esc(p.relative_to(out_dir).as_posix())}'>version diff: {esc(p.stem[5:])}</a></li>"
                       for p in diffs) + "</ul>"]
     return write_page(out_dir / "run.html", f"rlops run {run}", "".join(body))
+
+
+def _agreement(ws: Workspace, run: str) -> str:
+    """Each reward's agreement with the labels people gave the run's episodes (`rlops review agreement`)."""
+    try:
+        return agreement_html(agreement(ws, run))
+    except KeyError:  # a run that generated no episodes
+        return "<p class='meta'>This run has no episodes to label.</p>"
 
 
 def _lineage(ws: Workspace, run: str, evals: dict[str, dict[str, float]]

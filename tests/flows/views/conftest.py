@@ -4,16 +4,17 @@
 (state in the workspace), then `rlops retrain` with an edited reward and an added judge-like reward
 (new versions to diff, explanations to show, a retrain branch) and the same retrain again (`--json`),
 plus a batch of hand-built tool-calling episodes (a random tiny model makes no tool calls). Model and tool text carries
-`<script>alert(1)</script>` and rich markup, which must come out as text.
+`<script>alert(1)</script>` and rich markup, which must come out as text. `rlops review`'s tests label the
+"tools" run (and only label it: other tests read the same workspace).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ import yaml
 from bs4 import BeautifulSoup
 
 from storage.workspace import Workspace
+from tests.browser import CHROMIUM
 from tests.flows.conftest import tiny_config
+from tests.processes import free_port, start_server, stop
 
 RUN = "insp"
 RETRAINED = "retrained.json"  # beside the workspace: what `rlops retrain` printed, and what came before it
@@ -39,9 +42,12 @@ def judged(rollout):
 '''
 
 
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+
+
 def cli(ws: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], env=env,
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], env=_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -55,7 +61,7 @@ def _tool_run(ws: Workspace, model_dir: Path, judge_file: Path) -> None:
 
     policy = base_policy(ws, str(model_dir))
     episodes: list[Rollout] = []
-    for g in range(2):
+    for g in range(4):  # 12 episodes: enough for the review page's test to grade 10 and order a group of 3
         for s in range(3):
             ep = tool_episode("ro-tools", g, s, answer="1987" if (g + s) % 2 else f"maybe 1986 {XSS}")
             ep.policy_id = policy
@@ -109,11 +115,24 @@ def run_ws(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Wo
     return ws
 
 
+@pytest.fixture(scope="package")
+def review_url(run_ws: Workspace) -> Iterator[str]:
+    """`rlops review tools` serving the shared run's hand-built "tools" episodes on 127.0.0.1 (no token: loopback),
+    with "alice" as the page's default reviewer; its base URL."""
+    port = free_port()
+    proc = start_server([sys.executable, "-m", "flows.cli", "review", "tools", "--workspace", str(run_ws.root),
+                         "--port", str(port), "--reviewer", "alice"], f"http://127.0.0.1:{port}/api/health", status=200,
+                        timeout=180, env=_env())
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
 def soup(path: Path) -> BeautifulSoup:
     return BeautifulSoup(path.read_text(), "html.parser")
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make test installs it: apt-get install chromium)")
 
 
