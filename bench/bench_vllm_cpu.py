@@ -9,7 +9,8 @@ in a process of its own (its peak memory is that process's), the order alternate
   - doc_search, one group of 8, up to 4 turns of <= 64 tokens with tool calls (configs/doc_search.yaml, no SFT).
 Per backend: the policy's start (HF: the model loaded; vLLM: the engine built), sampled tokens/s of each step's
 rollout, seconds per step (rollout + score + update), peak RSS. The first step includes the start and the
-engines' warm-up; the table reports the steps after it.
+engines' warm-up; the table reports the steps after it. Then each batch's behaviour log-probs against the
+update's recomputation (mean and max |Δ|, share over 1e-2) and the TIS/MIS/icepop weights on it.
 
 tune: one engine per setting (a process each), 32 or 64 arithmetic prompts x <= 64 new tokens at temperature 1, the
 second generate call timed (the first warms up): threads bound to both cores (rlops' default) or one, with vLLM's
@@ -75,7 +76,42 @@ def one_backend(backend: str, workload: str, steps: int) -> dict:
     rates = [ws.catalog.get_artifact(b)["meta"]["metrics"]["tokens_per_s"] for b in result.batches]
     sampled = [ws.catalog.get_artifact(b)["meta"]["metrics"]["sampled_tokens"] for b in result.batches]
     return {"backend": backend, "workload": workload, "start_s": started, "tokens_per_s": rates,
+            "agreement": [agreement(ws, b) for b in result.batches],
             "sampled_tokens": sampled, "step_s": [b - a for a, b in zip(marks, marks[1:])], "peak_gib": _peak_gib()}
+
+
+def agreement(ws, batch_id: str) -> dict:
+    """A batch's behaviour log-probs against the trainer's recomputation under the policy that sampled it (fp32, the
+    update's `token_logprobs`), and the off-policy correction's weights on it (stages/update/correction.py: TIS cap
+    2, MIS [0.5, 2], icepop [0.5, 5], the usual settings)."""
+    import torch
+
+    from stages.common import resolve_policy
+    from stages.policy.load import load_policy
+    from stages.policy.logprobs import token_logprobs
+    from stages.update.correction import Correction, is_weights
+    from storage.checkpoints import local_copy
+    from storage.schema import Rollout, from_table
+
+    rows = from_table(ws.read_artifact(batch_id), Rollout)
+    base_model, adapter = resolve_policy(ws, rows[0].policy_id)
+    model, _ = load_policy(base_model, local_copy(adapter))
+    deltas, stats = [], []
+    correction = Correction(tis_cap=2.0, mis_range=(0.5, 2.0), icepop_range=(0.5, 5.0))
+    for r in rows:
+        ids = torch.tensor([r.token_ids])
+        mask = torch.tensor([r.loss_mask]).bool()
+        with torch.no_grad():
+            lp = token_logprobs(model.eval(), ids, torch.ones_like(ids), mask, r.sampling["temperature"])
+        behaviour = torch.tensor([r.behavior_logprobs])
+        deltas.append((lp[mask] - behaviour[mask]).abs())
+        stats.append(is_weights(lp, behaviour, mask, correction)[1] | {"tokens": int(mask.sum())})
+    d = torch.cat(deltas)
+    n = sum(s["tokens"] for s in stats)
+    return {"tokens": d.numel(), "mean_abs": float(d.mean()), "max_abs": float(d.max()),
+            "over_1e-2": float((d > 1e-2).float().mean()),
+            "is_weight_mean": sum(s["is_weight_mean"] * s["tokens"] for s in stats) / n,
+            "is_masked_frac": sum(s["is_masked_frac"] * s["tokens"] for s in stats) / n}
 
 
 def one_engine(batch: int, bind: str) -> dict:
@@ -129,6 +165,13 @@ def compare(rounds: int, steps: int) -> None:
             print(f"| {workload} | {backend} | {sum(x['start_s'] for x in mine) / len(mine):.1f} | "
                   f"{sum(rate) / len(rate):.0f} | {sum(step) / len(step):.1f} | "
                   f"{max(x['peak_gib'] for x in mine):.2f} |")
+    print("\nBehaviour log-probs against the trainer's recomputation (fp32), and the correction's weights:")
+    print("| workload | backend | tokens | mean abs diff | max abs diff | share > 1e-2 | IS weight mean | masked share |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for x in rows:
+        for a in x["agreement"]:
+            print(f"| {x['workload']} | {x['backend']} | {a['tokens']} | {a['mean_abs']:.2e} | {a['max_abs']:.2e} | "
+                  f"{a['over_1e-2']:.2%} | {a['is_weight_mean']:.6f} | {a['is_masked_frac']:.2%} |")
 
 
 def tune() -> None:
