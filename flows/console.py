@@ -22,6 +22,7 @@ QUIET_ENV = {
     "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables..."
     "TOKENIZERS_PARALLELISM": "false",  # the fork warning of tokenizers in Ray workers and Prefect threads
     "VLLM_CONFIGURE_LOGGING": "0",  # vLLM's engine logs through the "vllm" logger below, not its own console handler
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # C++ warnings on stderr (vLLM's CPU engine: "NUMA binding: Using MEMBIND ...")
 }
 # tasks.mcp: what stdio MCP servers write to stderr (their SDK logs every request), tasks/mcp.py
 LIBRARY_LOGGERS = ("py.warnings", "transformers", "datasets", "trl", "peft", "accelerate", "torch", "ray",

@@ -101,6 +101,7 @@ class VLLMBackend:
             max_cpu_loras=max_adapters,  # vLLM's own LRU must not drop an adapter this class still names
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=False,  # its weight-loading bar would be console noise in every run
             **_guidance_backend(),
             **(machine | engine_kwargs),  # a caller's engine argument wins over the machine's default
         )
