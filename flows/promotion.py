@@ -29,6 +29,8 @@ from storage.registry import Registry, Version
 from storage.schema import now
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from flows.run_config import RunConfig
     from stages.common import StageContext
     from storage.workspace import Workspace
@@ -96,14 +98,8 @@ def promote(ws: Workspace, name: str, policy_id: str, reason: str) -> dict[str, 
     if champion is not None and champion.policy_id == policy_id:
         raise ValueError(f"{policy_id} is already the champion of {name} (version {champion.version})")
     ckpt = ws.catalog.get_checkpoint(policy_id)
-    run_id = ws.tracker.start_run(f"promotion:{name}", tags={"rlops.promotion.model": name})
-    version = register(ws, name, policy_id, run_id, ckpt["run_name"] or name)
-    row = record(ws, {"model_name": name, "action": "manual", "promoted": True, "reason": reason,
-                      "challenger": policy_id, "challenger_version": version, "rule": "manual: rlops promote",
-                      "mlflow_run_id": run_id, **_was(champion)})
-    registry.set_alias(name, CHAMPION, version)
-    ws.tracker.end_run(run_id)
-    return row
+    return _move_champion(ws, registry, name, champion, "manual", policy_id, reason,
+                          lambda run_id: register(ws, name, policy_id, run_id, ckpt["run_name"] or name))
 
 
 def rollback(ws: Workspace, name: str, reason: str) -> dict[str, Any]:
@@ -114,11 +110,20 @@ def rollback(ws: Workspace, name: str, reason: str) -> dict[str, Any]:
     if len(stack) < 2:
         raise KeyError(f"{name} has no previous champion to roll back to ({len(stack)} champion in its promotions)")
     back_policy, back_version = stack[-2]
+    return _move_champion(ws, registry, name, champion, "rollback", back_policy, reason, lambda run_id: back_version)
+
+
+def _move_champion(ws: Workspace, registry: Registry, name: str, champion: Version | None, action: str,
+                   policy_id: str, reason: str, version_of: Callable[[str], str]) -> dict[str, Any]:
+    """A person's move of the champion alias (`action`: manual or rollback) to `policy_id`, whose version
+    `version_of(mlflow run id)` gives: recorded as a promotion row and an MLflow run, then the alias set."""
     run_id = ws.tracker.start_run(f"promotion:{name}", tags={"rlops.promotion.model": name})
-    row = record(ws, {"model_name": name, "action": "rollback", "promoted": True, "reason": reason,
-                      "challenger": back_policy, "challenger_version": back_version, "rule": "manual: rlops rollback",
+    version = version_of(run_id)
+    command = {"manual": "rlops promote", "rollback": "rlops rollback"}[action]
+    row = record(ws, {"model_name": name, "action": action, "promoted": True, "reason": reason,
+                      "challenger": policy_id, "challenger_version": version, "rule": f"manual: {command}",
                       "mlflow_run_id": run_id, **_was(champion)})
-    registry.set_alias(name, CHAMPION, back_version)
+    registry.set_alias(name, CHAMPION, version)
     ws.tracker.end_run(run_id)
     return row
 
