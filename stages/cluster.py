@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -177,22 +179,35 @@ def prepare(config: RayConfig, workers: dict[str, int], overlapped: bool = False
 
 
 def reserve(cpus: int, what: str, timeout_s: float) -> None:
-    """Wait until `cpus` CPUs can be held at once (a placement group of 1-CPU bundles, released at once),
-    or raise naming the numbers: a stage that cannot be placed fails instead of waiting forever."""
+    """Wait until `cpus` CPUs can be held at once (released at once), or raise naming the numbers: a stage
+    that cannot be placed fails instead of waiting forever."""
+    with held(cpus, what, timeout_s):
+        pass
+
+
+@contextmanager
+def held(cpus: int, what: str, timeout_s: float, nodes: list[str] | None = None) -> Iterator[None]:
+    """Hold `cpus` CPUs for the block (a placement group of 1-CPU bundles; `nodes`: bundle i on node `nodes[i]`),
+    so that other Ray work queues for them meanwhile; raise naming the numbers when they do not come free within
+    `timeout_s`. The resident update workers reserve no CPU of their own (stages/update/group.py): an update
+    step holds its CPUs this way, on the workers' nodes, only while it runs."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
 
     total = ray.cluster_resources().get("CPU", 0.0)
     need = f"{what} needs {cpus} CPU{'s' if cpus > 1 else ''}{' at once' if cpus > 1 else ''}"
     if cpus > total:
         raise RuntimeError(f"{need}; the Ray cluster has {total:g} in all")
-    group = placement_group([{"CPU": 1}] * cpus)
+    selectors = [{NODE_ID_LABEL_KEY: node} for node in nodes] if nodes else None
+    group = placement_group([{"CPU": 1}] * cpus, bundle_label_selector=selectors)
     try:
-        ray.get(group.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        free = ray.available_resources().get("CPU", 0.0)
-        raise RuntimeError(f"{need}; the Ray cluster has {total:g}, {free:g} free, and none came free within "
-                           f"{timeout_s:g} s (ray.placement_timeout_s)") from None
+        try:
+            ray.get(group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources().get("CPU", 0.0)
+            raise RuntimeError(f"{need}; the Ray cluster has {total:g}, {free:g} free, and none came free within "
+                               f"{timeout_s:g} s (ray.placement_timeout_s)") from None
+        yield
     finally:
         remove_placement_group(group)
 
