@@ -24,9 +24,10 @@ Sharing the cluster between stages (a run never waits forever):
   stages, when nothing else of the run does. Each is pinned to a node that has CPUs, spread over
   the nodes in proportion to their CPUs (`spread`). So resident actors never starve the score tasks
   or the GRPO workers that run between rollouts.
-- Score tasks take 1 CPU each (they queue when there are fewer), GRPO's Ray Train workers
-  `grpo.workers` CPUs at once. Before either starts, `reserve` waits up to `placement_timeout_s` for
-  that many CPUs, then fails naming the numbers instead of hanging.
+- Score tasks take 1 CPU each (they queue when there are fewer). GRPO's update workers stay resident for
+  a run too, reserving no CPU while idle; each update step holds `grpo.workers` CPUs on their nodes
+  (`held`). Before a score task or a step starts, `reserve`/`held` waits up to `placement_timeout_s` for
+  its CPUs, then fails naming the numbers instead of hanging.
 - A local Ray has `local_cpus` logical CPUs (default: this machine's cores, raised to what one stage
   needs at once): logical, so `grpo.workers: 2` runs on one core, slower but placed.
 
@@ -77,19 +78,11 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-# How often Ray Train's controller looks at its workers (Ray's default: 2 s). A GRPO update is one short
-# `fit()` per step, whose end the controller sees only at its next look: measured on 2 CPUs with the tiny test
-# model, 2 workers, 0.2 s took each step's update from ~20 s to ~15 s. Each look is one small actor call.
-TRAIN_POLL_S = "0.2"
-
-
 def runtime_env(config: RayConfig) -> dict[str, Any]:
     """The runtime_env given to Ray: the configured one, plus the rlops packages when `ship_code`,
-    plus `GLOO_SOCKET_IFNAME=lo` on a loopback cluster (gloo otherwise binds the hostname's address),
-    plus Ray Train's controller polling every `TRAIN_POLL_S` (unless configured)."""
+    plus `GLOO_SOCKET_IFNAME=lo` on a loopback cluster (gloo otherwise binds the hostname's address)."""
     env = dict(config.runtime_env)
     env_vars = dict(env.get("env_vars", {}))
-    env_vars.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)
     if config.address is None or _loopback(_host(config.address)):
         env_vars.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["env_vars"] = env_vars

@@ -119,14 +119,13 @@ class UpdateWorker:
         own = set(get_peft_model_state_dict(resident.model))
         if unexpected or own != driver_names:
             raise RuntimeError(f"the worker's adapter differs from the driver's: {sorted(own ^ driver_names)[:5]}")
-        model = resident.trainable()
         try:
-            optimizer, history = train_shard(model, common, shard, self.device)
-            state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
+            optimizer, history = train_shard(resident.trainable(), common, shard, self.device)
         finally:
             resident.settle(None)  # activation checkpointing off, no grads kept between steps
         if self.rank != 0:
             return None, None
+        state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(resident.model).items()}
         return state, {"optimizer": cpu_state(optimizer.state_dict()), "history": history,
                        "digest": adapter_digest(state)}
 
@@ -179,7 +178,7 @@ class UpdateGroup:
                                        f"resources {ray.cluster_resources()}, free {ray.available_resources()}") from None
                 group = cls(ray_config, actors, [p.split(":")[0] for p in placements], placements, 0.0)
                 init_method = ray.get(actors[0].rendezvous.remote())
-                group._wait([a.setup.remote(base_model, init_method) for a in actors], "starting")
+                group._wait([a.setup.remote(base_model, init_method) for a in actors], "while starting")
             except BaseException:
                 for a in actors:
                     ray.kill(a)
@@ -197,7 +196,7 @@ class UpdateGroup:
         common_ref = ray.put(common)  # one copy in the store, read by every rank
         with held(self.workers, f"grpo.workers: {self.workers}", self.ray_config.placement_timeout_s, nodes=self.nodes):
             calls = [a.step.options(num_returns=2).remote(common_ref, shard) for a, shard in zip(self.actors, shards)]
-            self._wait([result for _, result in calls], f"step {self.steps + 1}")
+            self._wait([result for _, result in calls], f"in its step {self.steps + 1}")
         self.steps += 1
         state_ref, result = calls[0]
         return state_ref, ray.get(result)
@@ -235,7 +234,7 @@ class UpdateGroup:
                 dead.append(f"{name} died ({_first_line(e)})")
             except Exception as e:  # noqa: BLE001
                 failed.append(f"{name} failed: {_first_line(e)}")
-        return f"the data-parallel update failed while {what}: " + "; ".join(dead + failed + running)
+        return f"the update worker group failed {what}: " + "; ".join(dead + failed + running)
 
     def stop(self) -> None:
         """Kill every worker (a no-op for those already gone)."""

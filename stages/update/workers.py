@@ -211,8 +211,9 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
     parts = shards(samples, advantages, config.workers, config.aggregation)
     failure: GroupFailure | None = None
     for attempt in (1, 2):
-        group, started = _group(ctx, base_model, config.workers)
+        group = None
         try:
+            group, started = _group(ctx, base_model, config.workers)  # a group that fails to start fails like a step
             state_ref, out = group.step(common, parts)
             state = ray.get(state_ref)  # before a group of this update alone is stopped
             break
@@ -224,7 +225,7 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
             failure = e
             print(f"grpo.workers: {e}; retrying the step once with a fresh worker group", file=sys.stderr, flush=True)
         finally:
-            if ctx.session is None:
+            if ctx.session is None and group is not None:
                 group.stop()
     if adapter_digest(state) != out["digest"]:
         raise RuntimeError("the update workers' LoRA weights arrived with another sha256 than rank 0 sent")
@@ -259,7 +260,7 @@ def _group_key(base_model: str, workers: int) -> tuple:
 
 
 def _forget(ctx: StageContext, group: Any) -> None:
-    """Drop a failed group from the session, so that the next update starts a fresh one."""
-    if ctx.session is not None:
+    """Drop a failed group (None: it failed while starting) from the session: the next update starts a fresh one."""
+    if ctx.session is not None and group is not None:
         for key in [k for k, v in ctx.session.kept.items() if v is group]:
             del ctx.session.kept[key]
