@@ -1,5 +1,5 @@
 """Scale-out overheads on one machine: rollout throughput with 1 and 2 Ray workers on a real two-node
-local cluster, and the GRPO update with 1 (in-process) and 2 Ray Train DDP workers.
+local cluster, and the GRPO update with 1 (in-process) and 2 DDP workers (an update worker group started for it).
 
     PYTHONPATH=. .venv/bin/python bench/bench_scale.py [--part rollout|grpo|both] [--model SmolLM2-135M-Instruct]
 
@@ -9,7 +9,7 @@ one prompt per shard) with 1 and with 2 `RolloutWorker` actors on the worker nod
 stage does (torch threads: 2 for one actor, 1 each for two; and a control: one actor, one thread);
 reports sampled tokens/s (actor start-up, i.e. loading the model, timed apart).
 grpo: one update on a synthetic batch (bench_grpo_update.py's: 4 prompts x G=8, 32 completion tokens)
-in this process (all cores' threads, and a 1-thread control) and with `grpo.workers: 2` (Ray Train TorchTrainer, gloo,
+in this process (all cores' threads, and a 1-thread control) and with `grpo.workers: 2` (stages/update/group.py, gloo,
 one thread per worker); reports wall time, the
 time of the optimizer step itself, and the largest adapter-weight difference between the two.
 
@@ -129,13 +129,13 @@ def bench_grpo(model_name: str) -> None:
     ctx = StageContext(Workspace.open(Path(tempfile.mkdtemp()) / "ws"))
     start = time.perf_counter()
     (two,) = train(twin, opt2, samples, advantages, config.model_copy(update={"workers": 2}), temperature=1.0, ctx=ctx,
-                   base_model=model_name)
+                   base_model=model_name).history
     wall_two = time.perf_counter() - start
     ray.shutdown()
     worst = max((p.detach() - q.detach()).abs().max().item()
                 for (_, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()) if p.requires_grad)
     step_two = two["tokens"] / two["tokens_per_s"]
-    print(f"grpo update, 2 DDP workers (Ray Train, gloo): {wall_two:.1f} s wall (incl. Ray + worker start-up and "
+    print(f"grpo update, 2 DDP workers (an update worker group, gloo): {wall_two:.1f} s wall (incl. Ray + worker start-up and "
           f"model loads), {step_two:.1f} s in the step itself, {two['tokens_per_s']:.1f} trained tok/s; "
           f"max |Δ adapter| vs 1 worker {worst:.2e}, grad_norm {one['grad_norm']:.5f} vs {two['grad_norm']:.5f}")
     print(f"grpo step time, 2 workers / 1 worker: {step_two / (one['tokens'] / one['tokens_per_s']):.2f}x "

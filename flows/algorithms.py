@@ -33,6 +33,6 @@ def update_stage(cfg: RunConfig) -> tuple[Callable[..., ArtifactRef], Any]:
 
 
 def update_workers(cfg: RunConfig) -> int:
-    """The Ray Train workers the run's update asks for (1 for updates that train in-process)."""
+    """The update workers (stages/update/group.py) the run's update asks for (1 for updates that train in-process)."""
     _, config = update_stage(cfg)
     return getattr(config, "workers", 1)

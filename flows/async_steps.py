@@ -59,12 +59,17 @@ def _resolve_lazy_imports(base_model: str) -> None:
     'AutoModelForCausalLM' from 'transformers'" when a resumed run's two sides loaded their models together)."""
     from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: F401
     from transformers import (  # noqa: F401 - every top-level name stages/ imports while training or generating
-        AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, LogitsProcessorList)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, DynamicCache,
+        LogitsProcessorList)
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
     from stages.policy.model import resolve_model
+    from stages.policy.vlm import is_vision_language_model
 
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(resolve_model(base_model)))]  # the model class
+    # the model class (a VLM's: its image-text-to-text class, which both sides load it with)
+    mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if is_vision_language_model(base_model) else MODEL_FOR_CAUSAL_LM_MAPPING
+    mapping[type(AutoConfig.from_pretrained(resolve_model(base_model)))]
 
 
 def pipelined(steps: range, max_staleness: int, start_policy: str, generate: Callable[[int, str], Any],

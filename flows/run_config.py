@@ -204,8 +204,7 @@ def vision_language_problems(cfg: RunConfig, task: Task | None) -> list[str]:
             f"{name}.lora.projector: the base model {cfg.base_model} is text-only; a projector LoRA needs a "
             "vision-language model" for name, section in sections if section.lora.projector]
     found = unsupported_with_vlm(
-        backend=cfg.rollout.backend, rollout_workers=cfg.rollout.workers, task=task, update=cfg.algorithm,
-        update_workers=getattr(getattr(cfg, cfg.algorithm), "workers", 1), max_staleness=cfg.max_staleness,
+        backend=cfg.rollout.backend, task=task, update=cfg.algorithm,
         projector_lora=any(section.lora.projector for _, section in sections), base_model=cfg.base_model)
     return [f"base_model: {cfg.base_model} is a vision-language model; not supported with it yet: {p}" for p in found]
 

@@ -24,9 +24,10 @@ Sharing the cluster between stages (a run never waits forever):
   stages, when nothing else of the run does. Each is pinned to a node that has CPUs, spread over
   the nodes in proportion to their CPUs (`spread`). So resident actors never starve the score tasks
   or the GRPO workers that run between rollouts.
-- Score tasks take 1 CPU each (they queue when there are fewer), GRPO's Ray Train workers
-  `grpo.workers` CPUs at once. Before either starts, `reserve` waits up to `placement_timeout_s` for
-  that many CPUs, then fails naming the numbers instead of hanging.
+- Score tasks take 1 CPU each (they queue when there are fewer). GRPO's update workers stay resident for
+  a run too, reserving no CPU while idle; each update step holds `grpo.workers` CPUs on their nodes
+  (`held`). Before a score task or a step starts, `reserve`/`held` waits up to `placement_timeout_s` for
+  its CPUs, then fails naming the numbers instead of hanging.
 - A local Ray has `local_cpus` logical CPUs (default: this machine's cores, raised to what one stage
   needs at once): logical, so `grpo.workers: 2` runs on one core, slower but placed.
 
@@ -42,6 +43,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,19 +78,11 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-# How often Ray Train's controller looks at its workers (Ray's default: 2 s). A GRPO update is one short
-# `fit()` per step, whose end the controller sees only at its next look: measured on 2 CPUs with the tiny test
-# model, 2 workers, 0.2 s took each step's update from ~20 s to ~15 s. Each look is one small actor call.
-TRAIN_POLL_S = "0.2"
-
-
 def runtime_env(config: RayConfig) -> dict[str, Any]:
     """The runtime_env given to Ray: the configured one, plus the rlops packages when `ship_code`,
-    plus `GLOO_SOCKET_IFNAME=lo` on a loopback cluster (gloo otherwise binds the hostname's address),
-    plus Ray Train's controller polling every `TRAIN_POLL_S` (unless configured)."""
+    plus `GLOO_SOCKET_IFNAME=lo` on a loopback cluster (gloo otherwise binds the hostname's address)."""
     env = dict(config.runtime_env)
     env_vars = dict(env.get("env_vars", {}))
-    env_vars.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)
     if config.address is None or _loopback(_host(config.address)):
         env_vars.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["env_vars"] = env_vars
@@ -177,22 +172,35 @@ def prepare(config: RayConfig, workers: dict[str, int], overlapped: bool = False
 
 
 def reserve(cpus: int, what: str, timeout_s: float) -> None:
-    """Wait until `cpus` CPUs can be held at once (a placement group of 1-CPU bundles, released at once),
-    or raise naming the numbers: a stage that cannot be placed fails instead of waiting forever."""
+    """Wait until `cpus` CPUs can be held at once (released at once), or raise naming the numbers: a stage
+    that cannot be placed fails instead of waiting forever."""
+    with held(cpus, what, timeout_s):
+        pass
+
+
+@contextmanager
+def held(cpus: int, what: str, timeout_s: float, nodes: list[str] | None = None) -> Iterator[None]:
+    """Hold `cpus` CPUs for the block (a placement group of 1-CPU bundles; `nodes`: bundle i on node `nodes[i]`),
+    so that other Ray work queues for them meanwhile; raise naming the numbers when they do not come free within
+    `timeout_s`. The resident update workers reserve no CPU of their own (stages/update/group.py): an update
+    step holds its CPUs this way, on the workers' nodes, only while it runs."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
 
     total = ray.cluster_resources().get("CPU", 0.0)
     need = f"{what} needs {cpus} CPU{'s' if cpus > 1 else ''}{' at once' if cpus > 1 else ''}"
     if cpus > total:
         raise RuntimeError(f"{need}; the Ray cluster has {total:g} in all")
-    group = placement_group([{"CPU": 1}] * cpus)
+    selectors = [{NODE_ID_LABEL_KEY: node} for node in nodes] if nodes else None
+    group = placement_group([{"CPU": 1}] * cpus, bundle_label_selector=selectors)
     try:
-        ray.get(group.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        free = ray.available_resources().get("CPU", 0.0)
-        raise RuntimeError(f"{need}; the Ray cluster has {total:g}, {free:g} free, and none came free within "
-                           f"{timeout_s:g} s (ray.placement_timeout_s)") from None
+        try:
+            ray.get(group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources().get("CPU", 0.0)
+            raise RuntimeError(f"{need}; the Ray cluster has {total:g}, {free:g} free, and none came free within "
+                               f"{timeout_s:g} s (ray.placement_timeout_s)") from None
+        yield
     finally:
         remove_placement_group(group)
 

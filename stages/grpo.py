@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from stages.checkpoints import write_update
 from stages.common import ArtifactRef, StageContext, resolve_policy, run_stage, vision_language_base
-from stages.policy.vlm_episodes import load_vlm_for_update, refuse_unsupported, unsupported_with_vlm
+from stages.policy.vlm_episodes import load_vlm_for_update
 from stages.reward_ref import RewardRef
 from stages.update import workers
 from stages.update.config import GRPOConfig
@@ -38,8 +38,6 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
     batches = sorted(set(batches))
     reward = reward.resolve(ctx.ws, batches)
     visual = vision_language_base(ctx.ws, parent_policy)
-    if visual:
-        refuse_unsupported(visual, unsupported_with_vlm(update_workers=config.workers))
 
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
         ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": str(reward)})  # which reward version this run trained on
@@ -59,8 +57,11 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
         data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline,
                                   skip_zero_variance=config.skip_zero_variance, vision=vision)
 
-        history = workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
-                                ctx=ctx, base_model=base_model)
+        result = workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
+                               ctx=ctx, base_model=base_model)
+        history = result.history
+        if result.placements:  # where the update workers ran, as rollout and score record theirs
+            ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.ray_workers": ",".join(result.placements)})
         for epoch, m in enumerate(history):
             ctx.ws.tracker.log_metrics(mlflow_run_id, {f"train/{k}": v for k, v in m.items()}, step=epoch)
         # Nothing to train on (every group agreed): every advantage is 0, and so are the loss and the clipping;
@@ -77,8 +78,8 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
                      batches=batches, reward=reward, config=config, mlflow_run_id=mlflow_run_id,
                      state={"temperature": data.temperature, "epochs": history, "metrics": metrics},
                      save=lambda folder, state: save_update(folder, model, optimizer, state))
-        if resident is not None:  # the next rollout uses these weights straight from memory
-            ctx.session.updated(resident, policy_id)
+        if resident is not None:  # the next rollout uses these weights straight from memory (Ray actors: the store)
+            ctx.session.updated(resident, policy_id, stored=result.stored)
         return metrics
 
     # The reward enters the id through `version`, keeping `inputs` a list of artifact ids.

@@ -8,8 +8,9 @@ batch becomes visible (complete) only when every shard is there.
 `workers: 1` generates in this process; `workers: N` starts N Ray actors (each with its own
 policy replica or engine) and splits the shards among them, on the cluster of the run's `ray:`
 section (stages/cluster.py) or a local Ray. Only this (driver) process writes Parquet and the
-catalog: actors hand back Arrow tables. Where the actors ran is recorded on the stage's MLflow
-run (tag `rlops.ray_workers`).
+catalog: actors hand back Arrow tables. A VLM's actors get each prompt's opening messages with
+their images already in the workspace's store, as references (`_openings`). Where the actors ran
+is recorded on the stage's MLflow run (tag `rlops.ray_workers`).
 """
 
 from __future__ import annotations
@@ -125,14 +126,15 @@ class RolloutWorker:
         self.sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p,
                                        max_new_tokens=config.max_new_tokens, stop=tuple(config.stop), seed=config.seed)
 
-    def prepare(self, config: RolloutConfig, policy_id: str, adapter_dir: str | None, trained: Any = None) -> None:
-        """Generate the next shards with `policy_id` (its adapter folder; `trained`: its LoRA weights when
-        the driver's session holds them, so a resident actor needs no file) under `config`."""
+    def prepare(self, config: RolloutConfig, policy_id: str, adapter_dir: str | None, shipped: Any = None) -> None:
+        """Generate the next shards with `policy_id` (its adapter folder; `shipped`: its LoRA weights in Ray's object
+        store when the driver's session holds them (`stages.policy.session.ShippedAdapter`, content hash checked
+        here), so a resident actor needs no file) under `config`."""
         self.prepare_config(config)
         self.policy_id = policy_id
         self.adapter_dir = local_copy(adapter_dir)  # on this worker's machine: an object-store checkpoint is downloaded
-        if self.session is not None and trained is not None:
-            self.session.trained[policy_id] = trained
+        if self.session is not None and shipped is not None:
+            self.session.trained[policy_id] = shipped.receive(policy_id)
         if self.task.agent is not None or self.vlm is not None:  # adapters by folder, activated per shard
             return
         if config.backend == "vllm":
@@ -170,8 +172,10 @@ class RolloutWorker:
 
         return placement()
 
-    def run_shard(self, batch_id: str, split: str, groups: list[tuple[int, Prompt]], base_seed: int) -> pa.Table:
-        """Generate every sample of the given (group index, prompt) pairs; one row per episode."""
+    def run_shard(self, batch_id: str, split: str, groups: list[tuple[int, Prompt]], base_seed: int,
+                  openings: dict[str, Any] | None = None) -> pa.Table:
+        """Generate every sample of the given (group index, prompt) pairs; one row per episode. `openings`: a
+        visual task's opening records by prompt id, their images already in the store (`opening_records`)."""
         if self.task.agent is not None:
             from stages.service.external import run_agent_shard
 
@@ -187,7 +191,7 @@ class RolloutWorker:
         if self.vlm is not None:
             episodes = self.vlm.episodes(self.policy_id, self.adapter_dir, self.task, specs, group_size=G,
                                          sampling=self.sampling, max_total_tokens=self.config.max_total_tokens,
-                                         tool_timeout=self.config.tool_timeout)
+                                         tool_timeout=self.config.tool_timeout, openings=openings)
         else:
             backend, context = self._generation()
             with context:
@@ -231,8 +235,7 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
     base_model, adapter_dir = resolve_policy(ctx.ws, policy_id)
     visual = is_vision_language_model(base_model)
     if visual:
-        refuse_unsupported(base_model, unsupported_with_vlm(backend=config.backend, rollout_workers=config.workers,
-                                                            task=task_obj, base_model=base_model))
+        refuse_unsupported(base_model, unsupported_with_vlm(backend=config.backend, task=task_obj, base_model=base_model))
     elif problem := task_policy_problem(task_obj, visual):
         raise ValueError(f"{base_model}: {problem}")
     stage_config = {"rollout": config,
@@ -270,7 +273,6 @@ def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, p
     if not todo:
         return
     session = ctx.session
-    trained = session.trained.get(policy_id) if session is not None else None
     bar = tqdm(total=len(todo), desc=f"rollout {batch_id}", unit="shard", file=sys.stderr)
     if config.workers == 1 or len(todo) <= 1:
         key = ("rollout-worker", base_model, task.model_dump_json(), config.backend)
@@ -289,9 +291,11 @@ def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, p
     import ray
 
     actors = _actors(config, base_model, task, ctx, n=min(config.workers, len(todo)))
-    ray.get([a.prepare.remote(config, policy_id, adapter_dir, trained) for a in actors])
+    shipped = session.shipped(policy_id) if session is not None else None  # in Ray's store once, for every actor
+    ray.get([a.prepare.remote(config, policy_id, adapter_dir, shipped) for a in actors])
     placements.extend(ray.get([a.where.remote() for a in actors]))
-    pending = {actors[i % len(actors)].run_shard.remote(batch_id, split, shard, base_seed): part
+    openings = _openings(base_model, task, todo, ctx)
+    pending = {actors[i % len(actors)].run_shard.remote(batch_id, split, shard, base_seed, openings[i]): part
                for i, (part, shard) in enumerate(todo)}
     try:
         while pending:
@@ -306,6 +310,19 @@ def _generate(config: RolloutConfig, base_model: str, adapter_dir: str | None, p
                 ray.kill(a)
 
 
+def _openings(base_model: str, task: TaskSpec, todo: list, ctx: StageContext) -> list[dict[str, Any] | None]:
+    """For each shard of `todo`, a VLM's opening records of its prompts by prompt id, their images stored once
+    here (the actors get references into the store, `stages.policy.vlm_episodes.opening_records`); None each for
+    a text policy."""
+    if not is_vision_language_model(base_model):
+        return [None] * len(todo)
+    from stages.policy.vlm_episodes import opening_records
+    from storage.images import ImageStore
+
+    task_obj, store = load_task(task.name, task.params), ImageStore(ctx.ws.settings.images_dir)
+    return [{p.prompt_id: opening_records(task_obj, p, store) for _, p in shard} for _, shard in todo]
+
+
 def _actors(config: RolloutConfig, base_model: str, task: TaskSpec, ctx: StageContext, n: int) -> list[Any]:
     """`n` rollout actors: new ones (killed after the batch) without a session; with one, the session's
     pool, started on first use, each with its own resident model, and stopped when the session closes."""
@@ -317,8 +334,9 @@ def _actors(config: RolloutConfig, base_model: str, task: TaskSpec, ctx: StageCo
         # threads that node's CPUs shared among its actors.
         connect(ctx.ray, num_cpus=1)
         actor = ray.remote(num_cpus=0)(RolloutWorker)
+        images = str(ctx.ws.settings.images_dir)  # a VLM's images: the workspace's store, which every node sees
         return [actor.options(scheduling_strategy=pinned(node)).remote(config, base_model, task, threads,
-                                                                         PolicySession() if resident else None)
+                                                                         PolicySession() if resident else None, images)
                 for node, threads in spread(count)]
 
     if ctx.session is None:

@@ -19,7 +19,10 @@ compute the same thing, so artifact ids and results do not depend on it (tests/f
 - the base policy generates with the adapter disabled, which computes exactly the bare model;
 - dropout is off everywhere (eval mode for generation, `stages.update.train._train_without_dropout` for updates);
 - Ray rollout actors live as long as the session and receive each policy's LoRA weights through the
-  object store instead of reloading the model (`stages.rollout`).
+  object store instead of reloading the model (`stages.rollout`): as the update's worker group returned them
+  (`grpo.workers > 1`, stages/update/group.py), or put there once by this process; each arrives with the sha256
+  of its content (`ShippedAdapter`), checked where it lands;
+- the data-parallel update's worker group (`grpo.workers > 1`) is kept for the session too, and stopped with it.
 
 A session is used by one stage at a time (the pipeline is sequential). torch/peft are imported inside
 the functions.
@@ -38,12 +41,48 @@ from storage.checkpoints import local_copy
 AdapterState = dict[str, Any]  # peft LoRA weights (as `get_peft_model_state_dict` gives them), on CPU
 
 
+def adapter_digest(state: AdapterState) -> str:
+    """sha256 of LoRA weights' content: every tensor's name, dtype, shape and bytes, in name order."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())  # raw bytes whatever the dtype (bf16 included)
+    return h.hexdigest()
+
+
 @dataclass
 class _Trained:
     """LoRA weights this process trained, kept so the policy can be activated without reading its files."""
 
     config: Any  # peft LoraConfig
     state: AdapterState
+    shipped: ShippedAdapter | None = None  # the same weights in Ray's object store, once some actor needed them
+
+
+@dataclass(frozen=True)
+class ShippedAdapter:
+    """LoRA weights in Ray's object store, for Ray actors: the object (`ref`, an AdapterState) and the sha256 of
+    its content (`adapter_digest`), which `receive` checks where it arrives."""
+
+    config: Any  # peft LoraConfig
+    ref: Any  # ray.ObjectRef
+    digest: str
+
+    def receive(self, policy_id: str) -> _Trained:
+        """The weights, fetched from the object store; RuntimeError when their content is not what was sent."""
+        import ray
+
+        state = ray.get(self.ref)
+        got = adapter_digest(state)
+        if got != self.digest:
+            raise RuntimeError(f"the LoRA weights of {policy_id} arrived with sha256 {got[:16]}..., "
+                               f"not the {self.digest[:16]}... they were sent with")
+        return _Trained(self.config, state)
 
 
 def _shape_key(config: Any) -> tuple:
@@ -77,7 +116,7 @@ class ResidentModel:
         return nullcontext()
 
     def _load(self, policy_id: str, adapter_dir: str, trained: _Trained | None) -> None:
-        from peft import LoraConfig, load_peft_weights, set_peft_model_state_dict
+        from peft import LoraConfig, load_peft_weights
 
         self.current = None  # until the copy below is complete
         if trained is not None:
@@ -85,13 +124,20 @@ class ResidentModel:
         else:
             folder = local_copy(adapter_dir)
             config, state = LoraConfig.from_pretrained(folder), load_peft_weights(folder, device="cpu")
-        self._shape(config)
-        result = set_peft_model_state_dict(self.model, state)
-        if result.unexpected_keys:
-            raise ValueError(f"adapter of {policy_id} has weights the model does not: {result.unexpected_keys[:3]}")
+        unexpected = self.hold(config, state)
+        if unexpected:
+            raise ValueError(f"adapter of {policy_id} has weights the model does not: {unexpected[:3]}")
         self.model.eval()
         self.current = policy_id
         self.copies["memory" if trained is not None else "files"] += 1
+
+    def hold(self, config: Any, state: AdapterState) -> list[str]:
+        """Give the model one adapter of `config`'s shape holding `state`'s weights; returns the names in `state`
+        the adapter has no weight for (nothing was copied for those)."""
+        from peft import set_peft_model_state_dict
+
+        self._shape(config)
+        return list(set_peft_model_state_dict(self.model, state).unexpected_keys)
 
     def _shape(self, config: Any) -> None:
         """Give the model one adapter of `config`'s shape (keeping the current one when it matches)."""
@@ -137,7 +183,7 @@ class PolicySession:
     max_trained: int = 4  # trained adapters kept in memory (~3.5 MB each for SmolLM2, r=16, attention)
     models: dict[tuple, ResidentModel] = field(default_factory=dict)
     trained: OrderedDict[str, _Trained] = field(default_factory=OrderedDict)
-    kept: dict[Any, Any] = field(default_factory=dict)  # rollout workers and actor pools, by what they were built for
+    kept: dict[Any, Any] = field(default_factory=dict)  # rollout workers, actor pools, update groups, by what they were built for
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     def model(self, base_model: str, training: bool = False) -> ResidentModel:
@@ -172,15 +218,37 @@ class PolicySession:
         resident.trainable()
         return resident
 
-    def updated(self, resident: ResidentModel, policy_id: str) -> None:
-        """Record that `resident`'s adapter now holds `policy_id` (its checkpoint is written)."""
+    def updated(self, resident: ResidentModel, policy_id: str, stored: tuple[Any, str] | None = None) -> None:
+        """Record that `resident`'s adapter now holds `policy_id` (its checkpoint is written). `stored`: (object
+        ref, sha256) of the same weights already in Ray's object store (as the update's worker group returned
+        them), what Ray rollout actors then receive; RuntimeError when the resident model's differ from them."""
         from peft import get_peft_model_state_dict
 
         state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(resident.model).items()}
-        self.trained[policy_id] = _Trained(copy.deepcopy(resident.model.peft_config["default"]), state)
+        config = copy.deepcopy(resident.model.peft_config["default"])
+        shipped = None
+        if stored is not None:
+            ref, digest = stored
+            if adapter_digest(state) != digest:
+                raise RuntimeError(f"the resident model's LoRA weights of {policy_id} differ from those the update "
+                                   "workers returned")
+            shipped = ShippedAdapter(config, ref, digest)
+        self.trained[policy_id] = _Trained(config, state, shipped)
         while len(self.trained) > self.max_trained:
             self.trained.popitem(last=False)
         resident.settle(policy_id)
+
+    def shipped(self, policy_id: str) -> ShippedAdapter | None:
+        """`policy_id`'s LoRA weights in Ray's object store when this session holds them (put there once: the
+        update workers' object, or this process's), for Ray actors; None when it does not hold them."""
+        trained = self.trained.get(policy_id)
+        if trained is None:
+            return None
+        if trained.shipped is None:
+            import ray
+
+            trained.shipped = ShippedAdapter(trained.config, ray.put(trained.state), adapter_digest(trained.state))
+        return trained.shipped
 
     def stats(self) -> dict[str, int]:
         """Models loaded, and adapter weight copies from memory and from files, so far."""
@@ -197,7 +265,7 @@ class PolicySession:
         self._closers.append(fn)
 
     def close(self) -> None:
-        """Stop the rollout actors and drop the models."""
+        """Stop the rollout actors and the update workers, and drop the models."""
         for fn in reversed(self._closers):
             fn()
         self._closers.clear()

@@ -121,6 +121,16 @@ def is_vision_language_model(base_model: str) -> bool:
     return config.is_file() and is_vision_language(json.loads(config.read_text()))
 
 
+def load_vlm_model(path: str | Path) -> Any:
+    """The image-text-to-text model saved in a VLM's folder, fp32, eval mode (what `VLMPolicy.load` and the update
+    workers load); ValueError if the folder is not a VLM's."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    if not is_vision_language(AutoConfig.from_pretrained(path)):
+        raise ValueError(f"{path} is not a vision-language model (its config has no vision_config)")
+    return AutoModelForImageTextToText.from_pretrained(path, dtype="float32").eval()
+
+
 def model_processor_fingerprint(base_model: str) -> str:
     """`processor_fingerprint` of the processor saved in a VLM's folder (part of its base policy's id)."""
     return processor_fingerprint(load_processor(Path(base_model).expanduser()))
@@ -259,13 +269,7 @@ class VLMPolicy:
     @classmethod
     def load(cls, path: str | Path, store: ImageStore) -> VLMPolicy:
         """The model and processor saved in one folder (fp32, eval mode); ValueError if it is not a VLM."""
-        from transformers import AutoConfig, AutoModelForImageTextToText
-
-        config = AutoConfig.from_pretrained(path)
-        if not is_vision_language(config):
-            raise ValueError(f"{path} is not a vision-language model (its config has no vision_config)")
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype="float32").eval()
-        return cls(model, load_processor(Path(path)), store)
+        return cls(load_vlm_model(path), load_processor(Path(path)), store)
 
     @classmethod
     def without_weights(cls, path: str | Path, store: ImageStore) -> VLMPolicy:

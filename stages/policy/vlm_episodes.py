@@ -1,6 +1,6 @@
 """A vision-language policy in the in-process pipeline: what it supports, its episodes, its update model.
 
-    unsupported_with_vlm(rollout_workers=2)   # ["rollout.workers 2 ...", ...]: refused before compute
+    unsupported_with_vlm(update="ppo")        # ["ppo (its loss has no pixel inputs ...", ...]: refused before compute
     vlm = ResidentVLM(base_model, ImageStore(ws.settings.images_dir))   # loaded once per rollout worker
     episodes = vlm.episodes(policy_id, adapter_dir, task, specs, group_size=8, sampling=s, max_total_tokens=2048,
                             tool_timeout=10.0)
@@ -18,7 +18,10 @@ images.
 
 The rollout worker keeps its VLM resident (adapters loaded by folder); the update loads the VLM from files (a
 fresh `add_vlm_lora` adapter on the language model, or the parent's), so the two do not share one model in
-memory yet.
+memory yet. Ray rollout actors (`rollout.workers > 1`) get each group's opening messages as records whose
+images are references into the workspace's store (`opening_records`, made once by the driver): a prompt's
+picture is drawn, encoded, validated and stored once, not once per actor, and an actor reads its bytes from the
+store to build the pixel inputs.
 """
 
 from __future__ import annotations
@@ -38,15 +41,14 @@ from storage.images import ImageStore
 from storage.schema import Message
 
 if TYPE_CHECKING:
-    from tasks.base import Task
+    from tasks.base import Prompt, Task
 
 # Updates whose losses have no pixel inputs yet (grpo with its rloo and reinforce_pp presets, dpo and sft do).
 # PPO's critic is a text value model (stages/update/ppo.py): it would score a visual episode without its images.
 UPDATES_WITHOUT_PIXELS = ("ppo",)
 
 
-def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, task: Task | None = None,
-                         update: str = "grpo", update_workers: int = 1, max_staleness: int = 0,
+def unsupported_with_vlm(*, backend: str = "hf", task: Task | None = None, update: str = "grpo",
                          projector_lora: bool = False, base_model: str | None = None) -> list[str]:
     """What of a run's settings the vision-language path does not support yet, one line each (empty: all
     supported). The one list the config check and the stages refuse by, before any compute. `base_model`:
@@ -61,17 +63,11 @@ def unsupported_with_vlm(*, backend: str = "hf", rollout_workers: int = 1, task:
         # vLLM applies an adapter to the language model only: the projector's LoRA weights would not generate.
         problems.append("rollout.backend 'vllm' with lora.projector (vLLM applies LoRA to the language model only, "
                         "so episodes would be sampled without the projector's adapter: use hf, or no projector LoRA)")
-    if rollout_workers > 1:
-        problems.append(f"rollout.workers {rollout_workers} (Ray rollout actors; use 1)")
     if task is not None and task.agent is not None:
         problems.append(f"task {task.name!r} (an external agent's episodes in the rollout stage; "
                         "`rlops serve` serves a VLM to agents)")
     if update in UPDATES_WITHOUT_PIXELS:
         problems.append(f"{update} (its loss has no pixel inputs; grpo, rloo, reinforce_pp, dpo and sft train a VLM)")
-    if update_workers > 1:
-        problems.append(f"{update}.workers {update_workers} (Ray Train workers; use 1)")
-    if max_staleness > 0:
-        problems.append(f"max_staleness {max_staleness} (asynchronous generation; use 0)")
     return problems
 
 
@@ -114,16 +110,20 @@ class ResidentVLM:
         self.fingerprint = self.policy.vlm.fingerprint  # recorded with each rollout: the pixels are rebuilt by it
 
     def episodes(self, policy_id: str, adapter_dir: str | None, task: Task, specs: list[EpisodeSpec], *,
-                 group_size: int, sampling: SamplingConfig, max_total_tokens: int, tool_timeout: float) -> list[Episode]:
-        """Every episode of `specs` (groups of `group_size` consecutive specs sharing a prompt) under `policy_id`."""
+                 group_size: int, sampling: SamplingConfig, max_total_tokens: int, tool_timeout: float,
+                 openings: dict[str, list[Message]] | None = None) -> list[Episode]:
+        """Every episode of `specs` (groups of `group_size` consecutive specs sharing a prompt) under `policy_id`.
+        `openings`: each prompt's opening records by prompt id (`opening_records`), when the caller made them."""
         out: list[Episode] = []
         for i in range(0, len(specs), group_size):
+            opening = openings.get(specs[i].prompt.prompt_id) if openings else None
             out += self.group(policy_id, adapter_dir, task, specs[i : i + group_size], sampling=sampling,
-                              max_total_tokens=max_total_tokens, tool_timeout=tool_timeout)
+                              max_total_tokens=max_total_tokens, tool_timeout=tool_timeout, opening=opening)
         return out
 
     def group(self, policy_id: str, adapter_dir: str | None, task: Task, specs: list[EpisodeSpec], *,
-              sampling: SamplingConfig, max_total_tokens: int, tool_timeout: float) -> list[Episode]:
+              sampling: SamplingConfig, max_total_tokens: int, tool_timeout: float,
+              opening: list[Message] | None = None) -> list[Episode]:
         """The episodes of one prompt, turn by turn, grown token by token as `agent_loop.run_episodes` grows a
         text episode (its `add_turn` appends each turn). What differs: the opening messages and tool results
         become records with image references (`marked_content`), the chat format expands each image into its
@@ -131,7 +131,8 @@ class ResidentVLM:
         episodes that show the same images (all of them on the first turn: one call for the group)."""
         start = time.monotonic()
         chat, store = self.policy.chat, self.store
-        opening = [Message(m["role"], marked_content(m["content"], store)) for m in task.messages(specs[0].prompt)]
+        if opening is None:
+            opening = opening_records(task, specs[0].prompt, store)
         prompt_ids = chat.encode(chat.render(opening, True))
         out = [Episode(messages=list(opening), token_ids=[], loss_mask=[], behavior_logprobs=[]) for _ in specs]
         for ep in out:
@@ -181,6 +182,12 @@ class ResidentVLM:
         for ep in out:
             ep.image_ids = image_ids_of(ep.messages)
         return out
+
+
+def opening_records(task: Task, prompt: Prompt, store: ImageStore) -> list[Message]:
+    """A prompt's opening messages as an episode records them: each image validated, stored in `store` and written
+    as its `<image:SHA256>` reference (`marked_content`)."""
+    return [Message(m["role"], marked_content(m["content"], store)) for m in task.messages(prompt)]
 
 
 def _by_images(episodes: list[Episode], active: list[int]) -> list[list[int]]:

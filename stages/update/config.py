@@ -32,7 +32,7 @@ class GRPOConfig(BaseModel):
     # Keep only each decoder layer's input for backward and recompute the rest: far less activation
     # memory for ~1/3 more compute. Numerics are unchanged, so it is not part of the checkpoint id.
     activation_checkpointing: bool = Operational(True)
-    # Data-parallel workers (Ray Train DDP, stages/update/workers.py); the update equals one worker's
+    # Data-parallel workers (the resident update worker group, stages/update/group.py); the update equals one worker's
     # up to float summation order, so it is not part of the checkpoint id.
     workers: int = Operational(1, ge=1)
     # A resident vLLM engine sleeps during the update, giving its GPU memory to training. An asynchronous run

@@ -56,12 +56,18 @@ class TrainingData:
 
 def pixel_inputs(policy: VLMPolicy) -> Callable[[dict[str, Any]], Any]:
     """A scored row's pixel inputs (`stages.policy.vlm.VisionInputs`), rebuilt from the workspace's stored images
-    (`image_ids`) by `policy`'s processor; ValueError when the row records another processor (rollouts.sampling's
-    `processor`, written by the rollout stage): its pixels would differ from what the policy saw."""
+    (`image_ids`) by `policy`'s processor, once per distinct (images, processor); ValueError when the row records
+    another processor (rollouts.sampling's `processor`, written by the rollout stage): its pixels would differ from
+    what the policy saw."""
+
+    built: dict[tuple, Any] = {}  # rows showing the same images share one object: a group's are sent once per rank
 
     def rebuild(row: dict[str, Any]) -> Any:
         recorded = json.loads(row["sampling"] or "{}").get("processor")
-        return policy.vision_inputs(row["image_ids"] or [], recorded)
+        key = (tuple(row["image_ids"] or ()), recorded)
+        if key not in built:
+            built[key] = policy.vision_inputs(list(key[0]), recorded)
+        return built[key]
 
     return rebuild
 

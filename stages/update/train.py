@@ -251,15 +251,26 @@ def _release_free_memory() -> None:
 _malloc_trim: Any = None
 
 
-def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings) -> Any:
-    # Not stages.policy.load.load_policy: training needs no tokenizer (tokens come from the rollouts),
-    # and wants fp32 weights on every device (load_policy picks bf16 on cuda).
+def load_base(base_model: str, device: Any) -> Any:
+    """The bare base model an update trains an adapter on, fp32 on `device`: a causal LM, or a vision-language
+    model's image-text-to-text model (`stages.policy.vlm.load_vlm_model`).
+    Not stages.policy.load.load_policy: training needs no tokenizer (tokens come from the rollouts),
+    and wants fp32 weights on every device (load_policy picks bf16 on cuda)."""
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(base_model), dtype=torch.float32).to(device)
+    from stages.policy.vlm import is_vision_language_model, load_vlm_model
+
+    if is_vision_language_model(base_model):
+        return load_vlm_model(Path(base_model).expanduser()).to(device)
+    return AutoModelForCausalLM.from_pretrained(resolve_model(base_model), dtype=torch.float32).to(device)
+
+
+def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings) -> Any:
+    import torch
+    from peft import PeftModel
+
+    model = load_base(base_model, "cuda" if torch.cuda.is_available() else "cpu")
     if adapter_dir is None:
         return add_lora(model, lora)
     return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)

@@ -1,14 +1,20 @@
-"""Where a GRPO update runs: in this process, or data-parallel over Ray Train workers.
+"""Where a GRPO update runs: in this process, or data-parallel over a resident Ray worker group.
 
-    history = workers.train(model, optimizer, samples, advantages, config, temperature=1.0, ctx=ctx, base_model=base)
+    result = workers.train(model, optimizer, samples, advantages, config, temperature=1.0, ctx=ctx, base_model=base)
+    result.history   # one metrics dict per epoch
 
 `grpo.workers: 1` runs `stages.update.train.train_on_batch` here (on CUDA under bf16 autocast with the fp32
-weights, and with a resident vLLM engine asleep meanwhile). `grpo.workers: N` runs the same function
-in N Ray Train `TorchTrainer` workers (torch.distributed: gloo on CPU, NCCL on GPUs), each on a
-shard of the samples, on the run's `ray:` cluster or a local Ray. The driver's model and optimizer
-state travel to the workers through Ray's object store (no driver-local path is read there), and
-the trained adapter and optimizer state come back the same way: the driver writes the checkpoint
-once, as for one worker, so the catalog and lineage do not depend on the number of workers.
+weights, and with a resident vLLM engine asleep meanwhile). `grpo.workers: N` runs the same function in the N
+ranks of an update worker group (stages/update/group.py: Ray actors joined by torch.distributed, gloo on CPU,
+NCCL on GPUs), each on a shard of the samples, on the run's `ray:` cluster or a local Ray. The group is started
+at a run's first update and kept by its `PolicySession` (`ctx.session`) for the next ones; without a session
+(`rlops stage grpo`) it lives for the one update. The driver's model and optimizer state travel to the workers
+through Ray's object store (no driver-local path is read there), and the trained adapter and optimizer state
+come back the same way: the driver writes the checkpoint once, as for one worker, so the catalog and lineage do
+not depend on the number of workers. A step with fewer samples than workers (every rank needs one) runs here.
+
+A step whose group fails (a worker killed, its node stopped) is retried once by a fresh group, from the same
+driver state (a failed step changes nothing here); a second failure raises, naming the workers.
 
 Why the result equals one worker's: each worker's `train_on_batch` averages the loss over its own
 shard (token_mean: its own token count), so before the optimizer step its gradient is scaled by its
@@ -21,10 +27,11 @@ floating-point additions (tests: max |Δ| of the adapter weights below 1e-5 afte
 from __future__ import annotations
 
 import copy
-
 import math
+import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stages.update.config import GRPOConfig
@@ -39,20 +46,36 @@ if TYPE_CHECKING:
 TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "is_weight_mean", "is_masked_frac")  # token-weighted means in train_on_batch
 
 
+@dataclass
+class UpdateResult:
+    """What an update did: one metrics dict per epoch (as `train_on_batch`), and where it ran."""
+
+    history: list[dict[str, float]]
+    # (object ref, sha256) of the new LoRA weights in Ray's object store, as the worker group returned them;
+    # None for an update in this process (stages.policy.session.PolicySession.updated ships them from there)
+    stored: tuple[Any, str] | None = None
+    placements: list[str] = field(default_factory=list)  # the update workers' `<node id>:<pid>:<parent pid>`
+
+
 def train(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.Tensor, config: GRPOConfig, *,
-          temperature: float, ctx: StageContext, base_model: str) -> list[dict[str, float]]:
+          temperature: float, ctx: StageContext, base_model: str) -> UpdateResult:
     """`train_on_batch` (at the samples' sampling `temperature`) with `config.workers` workers; updates
-    `model` and `optimizer` in place and returns one metrics dict per epoch (as `train_on_batch`)."""
+    `model` and `optimizer` in place. Each epoch's metrics carry `update_seconds`, the wall time of the
+    whole update (a worker group's start included, when it started for this one)."""
     from stages.policy.vllm import engines_asleep
 
-    workers = min(config.workers, len(samples))  # every worker needs at least one sample
+    start = time.perf_counter()
     # a resident vLLM engine gives its GPU memory to training meanwhile, unless it generates ahead (async run)
     with engines_asleep() if config.sleep_generation else nullcontext():
-        if workers <= 1:
+        if config.workers > 1 and len(samples) >= config.workers:  # every rank needs at least one sample
+            result = _train_distributed(model, optimizer, samples, advantages, config, temperature=temperature,
+                                        ctx=ctx, base_model=base_model)
+        else:
             with _autocast(next(model.parameters()).device):
-                return train_on_batch(model, optimizer, samples, advantages, config, temperature)
-        return _train_distributed(model, optimizer, samples, advantages, config, workers, temperature=temperature,
-                                  ctx=ctx, base_model=base_model)
+                result = UpdateResult(train_on_batch(model, optimizer, samples, advantages, config, temperature))
+    for m in result.history:
+        m["update_seconds"] = time.perf_counter() - start
+    return result
 
 
 def _autocast(device: Any) -> Any:
@@ -107,50 +130,40 @@ class AllReduceStep:
         self.optimizer.step()
 
 
-def _worker_loop(args: dict[str, Any]) -> None:
-    """One Ray Train worker: rebuild the driver's model, train on this rank's shard, and (rank 0)
-    hand the new trainable weights, optimizer state and whole-batch metrics to the driver's mailbox."""
-    import ray
-    import ray.train
-    import ray.train.torch
+def shards(samples: list[Sample], advantages: torch.Tensor, workers: int, aggregation: str) -> list[dict[str, Any]]:
+    """Rank r's part of the batch: every `workers`-th sample from r (groups spread over the ranks), its
+    advantages, its gradient's weight in the whole batch's (`shard_weight`) and its share of the scored tokens."""
+    total = sum(map(scored_tokens, samples))
+    out = []
+    for rank in range(workers):
+        shard = samples[rank::workers]
+        out.append({"samples": shard, "advantages": advantages[rank::workers].float().cpu(),  # (len(shard),)
+                    "weight": shard_weight(shard, samples, aggregation),
+                    "token_share": sum(map(scored_tokens, shard)) / total})
+    return out
+
+
+def train_shard(model: Any, common: dict[str, Any], shard: dict[str, Any], device: Any) -> tuple[Any, list[dict[str, float]]]:
+    """One rank's part of a data-parallel update (in an update worker, inside its process group): the driver's
+    optimizer state continued over this model's trainable weights, `train_on_batch` on the shard with the
+    gradient summed over ranks at each optimizer step (`AllReduceStep`), and the whole batch's metrics (the
+    same on every rank). Returns (optimizer, metrics per epoch)."""
     import torch
     import torch.distributed as dist
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    from stages.policy.model import resolve_model
-
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device()
-    config: GRPOConfig = args["config"]
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(args["base_model"]), dtype=torch.float32).to(device)
-    model = get_peft_model(base, args["peft_config"])
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    missing = set(trainable) ^ set(args["weights"])
-    if missing:
-        raise RuntimeError(f"the worker's adapter differs from the driver's: {sorted(missing)[:5]}")
-    with torch.no_grad():
-        for name, p in trainable.items():
-            p.copy_(args["weights"][name])
-    params = list(trainable.values())  # the driver's optimizer order: model.parameters() that require grad
+    config: GRPOConfig = common["config"]
+    params = [p for p in model.parameters() if p.requires_grad]  # the driver's optimizer order
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    optimizer.load_state_dict(args["optimizer"])
-
-    samples: list[Sample] = args["samples"]
-    shard = samples[rank::world]
-    advantages = args["advantages"][rank::world]  # (len(shard),)
-    weight = shard_weight(shard, samples, config.aggregation)
-    step = AllReduceStep(optimizer, params, weight, config.max_grad_norm)
+    optimizer.load_state_dict(common["optimizer"])
+    step = AllReduceStep(optimizer, params, shard["weight"], config.max_grad_norm)
     with _autocast(device):
-        history = train_on_batch(model, step, shard, advantages, config.model_copy(update={"max_grad_norm": math.inf}),
-                                 args["temperature"])
-
-    token_share = sum(map(scored_tokens, shard)) / sum(map(scored_tokens, samples))
+        history = train_on_batch(model, step, shard["samples"], shard["advantages"],
+                                 config.model_copy(update={"max_grad_norm": math.inf}), common["temperature"])
     combined = []
     for m, grad_norm in zip(history, step.grad_norms):
         # Whole-batch metrics: the loss adds up like the gradient; token-weighted means by token share.
-        sums = torch.tensor([m["loss"] * weight, m["tokens"], *(m.get(k, 0.0) * token_share for k in TOKEN_STATS)],
+        share = shard["token_share"]
+        sums = torch.tensor([m["loss"] * shard["weight"], m["tokens"], *(m.get(k, 0.0) * share for k in TOKEN_STATS)],
                             dtype=torch.float64, device=device)
         seconds = torch.tensor([m["tokens"] / m["tokens_per_s"]], dtype=torch.float64, device=device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
@@ -162,75 +175,92 @@ def _worker_loop(args: dict[str, Any]) -> None:
         if config.beta <= 0:
             out.pop("kl")
         combined.append(out)
-    if rank == 0:
-        state = {n: p.detach().cpu() for n, p in trainable.items()}
-        ray.get(args["mailbox"].put.remote(state, _cpu(optimizer.state_dict()), combined))
+    return optimizer, combined
 
 
-def _cpu(state: Any) -> Any:
+def cpu_state(state: Any) -> Any:
     """An optimizer state dict with every tensor on the CPU: what travels between machines."""
     import torch
 
     if isinstance(state, torch.Tensor):
         return state.cpu()
     if isinstance(state, dict):
-        return {k: _cpu(v) for k, v in state.items()}
+        return {k: cpu_state(v) for k, v in state.items()}
     if isinstance(state, list):
-        return [_cpu(v) for v in state]
+        return [cpu_state(v) for v in state]
     return state
 
 
-class _Mailbox:
-    """A Ray actor the rank-0 worker hands its result to (plain objects, through the object store)."""
-
-    def __init__(self) -> None:
-        self.value: Any = None
-
-    def put(self, *value: Any) -> None:
-        self.value = value
-
-    def get(self) -> Any:
-        return self.value
-
-
 def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.Tensor,
-                       config: GRPOConfig, workers: int, *, temperature: float, ctx: StageContext,
-                       base_model: str) -> list[dict[str, float]]:
+                       config: GRPOConfig, *, temperature: float, ctx: StageContext, base_model: str) -> UpdateResult:
+    """The update on the worker group (the session's, or one for this update): the driver's weights and
+    optimizer state out, rank 0's back into `model` and `optimizer`; a failed group is replaced once."""
     import ray
-    import torch
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    from stages.cluster import connect, reserve
+    from stages.policy.session import adapter_digest
+    from stages.update.group import GroupFailure
 
-    connect(ctx.ray, num_cpus=workers)
-    reserve(workers, f"grpo.workers: {workers}", ctx.ray.placement_timeout_s)  # Ray Train starts them together
-    use_gpu = torch.cuda.is_available()
-    trainable = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()
     # A parent adapter loaded from its files carries `inference_mode=True` in its config: the workers would build an
     # untrainable adapter from it (issue 43: "the worker's adapter differs from the driver's" after an SFT step).
     peft_config = copy.deepcopy(model.peft_config[model.active_adapter])
     peft_config.inference_mode = False
-    args = {"config": config, "temperature": temperature, "base_model": base_model, "peft_config": peft_config,
-            "weights": trainable, "optimizer": _cpu(optimizer.state_dict()), "samples": samples,
-            "advantages": advantages.float().cpu(), "mailbox": mailbox}
-    start = time.perf_counter()
-    trainer = TorchTrainer(
-        _worker_loop, train_loop_config=args,
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        # Ray Train keeps its run records here; nothing is checkpointed through it (see the module docstring).
-        run_config=RunConfig(name=f"grpo-{int(time.time() * 1000)}", storage_path=str(ctx.ws.root / "ray_train")),
-    )
-    trainer.fit()
-    state, optimizer_state, history = ray.get(mailbox.get.remote())
-    ray.kill(mailbox)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in state:
-                p.copy_(state[name].to(p.device))
-    optimizer.load_state_dict(optimizer_state)
-    for m in history:  # wall time of the whole update, including starting the workers
-        m["update_seconds"] = time.perf_counter() - start
-    return history
+    common = {"config": config, "temperature": temperature, "peft_config": peft_config,
+              "state": {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()},
+              "optimizer": cpu_state(optimizer.state_dict())}
+    parts = shards(samples, advantages, config.workers, config.aggregation)
+    failure: GroupFailure | None = None
+    for attempt in (1, 2):
+        group = None
+        try:
+            group, started = _group(ctx, base_model, config.workers)  # a group that fails to start fails like a step
+            state_ref, out = group.step(common, parts)
+            state = ray.get(state_ref)  # before a group of this update alone is stopped
+            break
+        except GroupFailure as e:
+            _forget(ctx, group)
+            if attempt == 2:
+                raise RuntimeError(f"{e}; the step was retried once by a fresh worker group, which failed too "
+                                   f"(first failure: {failure})") from None
+            failure = e
+            print(f"grpo.workers: {e}; retrying the step once with a fresh worker group", file=sys.stderr, flush=True)
+        finally:
+            if ctx.session is None and group is not None:
+                group.stop()
+    if adapter_digest(state) != out["digest"]:
+        raise RuntimeError("the update workers' LoRA weights arrived with another sha256 than rank 0 sent")
+    if set_peft_model_state_dict(model, state).unexpected_keys:
+        raise RuntimeError("the update workers returned LoRA weights the driver's adapter does not have")
+    optimizer.load_state_dict(out["optimizer"])
+    for m in out["history"]:
+        m.update(update_group_start_seconds=group.start_seconds if started else 0.0, update_retries=float(attempt - 1))
+    return UpdateResult(out["history"], (state_ref, out["digest"]), group.placements)
+
+
+def _group(ctx: StageContext, base_model: str, workers: int) -> tuple[Any, bool]:
+    """(the update worker group for `base_model`, whether it started now): the session's (started on first use,
+    stopped when the session closes), or a new one the caller stops."""
+    from stages.update.group import UpdateGroup
+
+    if ctx.session is None:
+        return UpdateGroup.start(ctx.ray, base_model, workers), True
+    started = []
+
+    def start() -> UpdateGroup:
+        group = UpdateGroup.start(ctx.ray, base_model, workers)
+        ctx.session.on_close(group.stop)
+        started.append(group)
+        return group
+
+    return ctx.session.keep(_group_key(base_model, workers), start), bool(started)
+
+
+def _group_key(base_model: str, workers: int) -> tuple:
+    return ("update-group", base_model, workers)
+
+
+def _forget(ctx: StageContext, group: Any) -> None:
+    """Drop a failed group (None: it failed while starting) from the session: the next update starts a fresh one."""
+    if ctx.session is not None and group is not None:
+        for key in [k for k, v in ctx.session.kept.items() if v is group]:
+            del ctx.session.kept[key]

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
@@ -68,7 +69,7 @@ def test_rollout_and_score_run_on_the_worker_node(tmp_path, tiny_model_dir, two_
     batch = _rlops(driver_env, "stage", "rollout", str(path), "--policy", "base", *ws_args)
     scored = _rlops(driver_env, "stage", "score", str(path), "--rollouts", batch, *ws_args)
     worker_pids = cluster.worker_pids()  # while the node runs: its raylet is every worker's parent
-    # Training uses the same section: two Ray Train DDP workers (the head has no CPU for them).
+    # Training uses the same section: two DDP update workers (the head has no CPU for them).
     policy = _rlops(driver_env, "stage", "grpo", str(path), "--policy", "base", "--rollouts", batch,
                     "--reward", "total", "--set", "grpo.workers=2", "--set", "grpo.lr=1e-3", *ws_args)
 
@@ -153,3 +154,99 @@ def test_two_node_every_stage_with_two_ray_workers_and_a_run_too_big_for_the_clu
     assert out.returncode == 0, out.stderr[-4000:]
     ws = Workspace.open(tmp_path / "ws")
     assert ws.query("SELECT count(*) AS n FROM checkpoints WHERE kind = 'grpo'").to_pylist() == [{"n": 2}]
+
+
+def _update_worker_titles(cluster: LocalRayCluster) -> dict[int, str]:
+    """pid -> process title of the worker node's update workers. Ray titles a worker after its actor class, and
+    after the method it runs: `ray::UpdateWorker` idle, `ray::UpdateWorker.step` while it trains a step."""
+    import psutil
+
+    titles = {}
+    for pid in cluster.worker_pids():
+        try:
+            title = psutil.Process(pid).cmdline()[0]
+        except (psutil.Error, IndexError):
+            continue
+        if title.startswith("ray::UpdateWorker"):
+            titles[pid] = title
+    return titles
+
+
+def _kill_in_step(cluster: LocalRayCluster, proc: subprocess.Popen, log: Path, spare: set[int]) -> int:
+    """SIGKILL the first update worker (not in `spare`) seen inside a step; its pid. Fails if the run ends first."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended before a worker could be killed:\n{log.read_text()[-3000:]}"
+        for pid, title in _update_worker_titles(cluster).items():
+            if pid not in spare and title.startswith("ray::UpdateWorker.step"):
+                os.kill(pid, signal.SIGKILL)
+                return pid
+        time.sleep(0.01)
+    raise AssertionError("no update worker was seen inside a step within 300 s")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_nodes")
+def test_an_update_worker_killed_mid_step_is_replaced_once_then_named_and_a_rerun_ends_with_the_same_id(
+        tmp_path, tiny_model_dir, two_nodes):
+    """`grpo.workers: 2` on the worker node, and one of the two update workers SIGKILLed inside its step: the step is
+    retried once by a fresh group. When the fresh group's worker is killed too, the run fails naming that worker, and
+    no checkpoint of the step exists. The rerun resumes (rollouts and scores are found), its first group loses a worker
+    the same way and is replaced, and the run ends with the checkpoint id the failed step had, whose weights are the
+    in-process update's: nothing of a partial gradient was kept."""
+    from safetensors.torch import load_file
+
+    from stages import grpo
+    from stages.common import StageContext
+    from stages.reward_ref import RewardRef
+    from stages.update.config import GRPOConfig
+    from tests.flows.test_async import async_config
+
+    cluster = two_nodes
+    cfg = async_config(tiny_model_dir, "faults", k=0, steps=1)  # a reward with signal in every group
+    # 8 single-sequence micro-batches x 4 epochs: a step long enough to be caught inside
+    cfg["grpo"] = {"workers": 2, "lr": 0.05, "epochs": 4, "micro_batch_size": 1}
+    cfg["ray"] = {"address": cluster.address, "placement_timeout_s": 60}  # a regression ends in an error, not a hang
+    path = tmp_path / "faults.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    workspace = tmp_path / "ws"
+
+    def start(log: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(workspace)],
+                                stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=driver_env)
+
+    first_log, rerun_log = tmp_path / "first.log", tmp_path / "rerun.log"
+    run = start(first_log)
+    killed = _kill_in_step(cluster, run, first_log, spare=set())
+    retry_spare = set(_update_worker_titles(cluster)) | {killed}  # the first group's: the retry starts new workers
+    killed_again = _kill_in_step(cluster, run, first_log, spare=retry_spare)
+    assert run.wait(timeout=300) != 0
+    err = first_log.read_text()
+    assert f"pid {killed}) died" in err and "retrying the step once with a fresh worker group" in err
+    assert f"pid {killed_again}) died" in err and "which failed too" in err
+    ws = Workspace.open(workspace)
+    (failed,) = [r for r in ws.query("SELECT artifact_id, status FROM stage_runs WHERE stage = 'grpo'").to_pylist()]
+    assert failed["status"] == "failed"
+    assert ws.catalog.get_checkpoint(failed["artifact_id"]) is None
+    assert not (workspace / "checkpoints" / failed["artifact_id"]).exists()
+
+    run = start(rerun_log)
+    killed = _kill_in_step(cluster, run, rerun_log, spare=set())
+    assert run.wait(timeout=300) == 0, rerun_log.read_text()[-4000:]
+    assert f"pid {killed}) died" in rerun_log.read_text()
+    ws = Workspace.open(workspace)
+    (final,) = [c for c in ws.catalog.checkpoints("faults") if c["kind"] == "grpo"]
+    assert final["policy_id"] == failed["artifact_id"]  # the rerun ends where the failed step would have
+    folder = Path(final["adapter_uri"])
+    kept = load_file(str(folder / "adapter_model.safetensors"))
+    # The same update in this process, one worker (forced: the checkpoint is rewritten under the same id).
+    ref = grpo.run(GRPOConfig(**{**cfg["grpo"], "workers": 1}), StageContext(ws, run_name="recheck", force=True),
+                   parent_policy=final["parent_id"], batches=final["trained_on"]["batches"],
+                   reward=RewardRef.parse(final["trained_on"]["reward"]))
+    assert ref.id == final["policy_id"]
+    alone = load_file(str(folder / "adapter_model.safetensors"))
+    assert max(float((kept[k] - alone[k]).abs().max()) for k in kept) < 1e-5

@@ -151,8 +151,11 @@ def test_what_a_vlm_does_not_support_yet_is_a_config_problem_naming_it(tiny_vlm_
                             grpo={}, sft={"data": "oracle", "lora": {"projector": True}}))
     problems = "\n".join(vision_language_problems(cfg, load_task(**cfg.task.model_dump())))
     for named in ("rollout.backend 'vllm' with lora.projector (vLLM applies LoRA to the language model only",
-                  "rollout.workers 2", "ppo (its loss has no pixel inputs", "max_staleness 1"):
+                  "ppo (its loss has no pixel inputs"):
         assert named in problems
+    # Ray rollout actors, Ray update workers and asynchronous steps run a VLM (test_a_vlm_run_on_ray_workers...).
+    on_ray = from_dict(_config(tiny_vlm_dir, max_staleness=1, rollout={"workers": 2}, grpo={"workers": 2}))
+    assert vision_language_problems(on_ray, load_task(**on_ray.task.model_dump())) == []
     # vLLM generates a VLM's episodes (tests/flows/test_vllm_pipeline.py) when its adapters are the language model's.
     on_vllm = from_dict(_config(tiny_vlm_dir, rollout={"backend": "vllm"}))
     assert vision_language_problems(on_vllm, load_task(**on_vllm.task.model_dump())) == []
@@ -187,8 +190,6 @@ def test_the_stages_refuse_it_before_compute(run, tiny_vlm_dir):
     ws, result, cfg = run
     ctx = StageContext(ws, run_name="refused")
     before = ws.query("SELECT count(*) AS n FROM artifacts").to_pylist()
-    with pytest.raises(ValueError, match=r"vision-language model.*rollout\.workers 2 \(Ray rollout actors"):
-        rollout.run(rollout.RolloutConfig(workers=2), ctx, result.base, rollout.TaskSpec(**cfg["task"]))
     with pytest.raises(ValueError, match=r"vision-language model.*ppo \(its loss has no pixel inputs"):
         ppo.run(ppo.PPOConfig(), ctx, result.base, result.batches, RewardRef("chars"))
     assert ws.query("SELECT count(*) AS n FROM artifacts").to_pylist() == before
@@ -209,3 +210,48 @@ def test_rlops_inspect_shows_the_pictures_the_policy_saw(run, capsys):
     stored = {r["image_id"] for r in ws.query("SELECT image_id FROM images").to_pylist()}
     assert {i["data-image-id"] for i in shown} <= stored
     assert all(i["src"].startswith("data:image/png;base64,") for i in shown)
+
+
+@pytest.mark.slow
+def test_a_vlm_run_on_ray_workers_through_rlops_run(run, tiny_vlm_dir, tmp_path):
+    """`rlops run` of a VLM with `rollout.workers: 2`, `grpo.workers: 2` and `max_staleness: 1` on a local 2-CPU Ray:
+    the visual episodes come from Ray rollout actors (each prompt's image stored once by the driver, the actors given
+    references into the store), each update from the run's two update workers with pixel inputs (one group, started
+    once), and step 2's batch from the policy one version back. Its first step is the module's in-process run: the
+    same ids, the same rows, and the adapter to 1e-5."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    ws0, result, cfg0 = run
+    cfg = _config(tiny_vlm_dir, name="vlm-ray", steps=2, max_staleness=1,
+                  rollout={**cfg0["rollout"], "workers": 2, "groups_per_shard": 1},
+                  grpo={**cfg0["grpo"], "workers": 2}, eval={**cfg0["eval"], "every": 2},
+                  ray={"local_cpus": 2, "placement_timeout_s": 120})  # a regression ends in an error, not a hang
+    path = tmp_path / "vlm-ray.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "ws"), "--json"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+    ws = Workspace.open(tmp_path / "ws")
+    trained = [c for c in ws.catalog.checkpoints("vlm-ray") if c["kind"] == "grpo"]
+    assert len(trained) == 2 and trained[0]["policy_id"] == result.final
+    assert ws.catalog.get_artifact(trained[1]["policy_id"])["meta"]["metrics"]["staleness"] == 1
+    weights = [load_file(str(Path(w.catalog.get_checkpoint(result.final)["adapter_uri"]) / "adapter_model.safetensors"))
+               for w in (ws0, ws)]
+    assert max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0]) < 1e-5
+    [batch] = result.batches
+    rows = [w.query("SELECT token_ids, image_ids FROM rollouts WHERE batch_id = $b ORDER BY rollout_id", {"b": batch}
+                    ).to_pylist() for w in (ws0, ws)]
+    assert rows[0] == rows[1]  # the actors' episodes are the driver's, token for token, image for image
+
+    def placed(artifact: str) -> list[str]:
+        (stage_run,) = [r for r in ws.catalog.stage_runs(artifact) if r["status"] == "complete"]
+        return ws.tracker.client.get_run(stage_run["mlflow_run_id"]).data.tags["rlops.ray_workers"].split(",")
+
+    for rollouts in {c["trained_on"]["batches"][0] for c in trained}:
+        assert len(set(placed(rollouts))) == 2  # both shards on the Ray rollout actors
+    groups = {tuple(placed(c["policy_id"])) for c in trained}
+    assert len(groups) == 1 and len(next(iter(groups))) == 2

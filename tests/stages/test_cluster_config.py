@@ -11,10 +11,9 @@ from stages.cluster import PACKAGES, RayConfig, runtime_env
 
 def test_code_is_shipped_only_to_a_cluster():
     # A local Ray's workers import this machine's code already; gloo is kept on loopback.
-    poll = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": cluster.TRAIN_POLL_S}
-    assert runtime_env(RayConfig()) == {"env_vars": {"GLOO_SOCKET_IFNAME": "lo", **poll}}
+    assert runtime_env(RayConfig()) == {"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}
     env = runtime_env(RayConfig(address="10.0.0.5:6379", runtime_env={"env_vars": {"A": "1"}}))
-    assert env["env_vars"] == {"A": "1", **poll}  # a real cluster: gloo picks its interface as configured
+    assert env["env_vars"] == {"A": "1"}  # a real cluster: gloo picks its interface as configured
     assert [m.__name__ for m in env["py_modules"]] == list(PACKAGES) and stages in env["py_modules"]
     assert "py_modules" not in runtime_env(RayConfig(address="10.0.0.5:6379", ship_code=False))
 
@@ -23,12 +22,6 @@ def test_a_loopback_cluster_keeps_gloo_on_lo_unless_configured():
     assert runtime_env(RayConfig(address="127.0.0.2:6379"))["env_vars"]["GLOO_SOCKET_IFNAME"] == "lo"
     mine = RayConfig(address="127.0.0.2:6379", runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "eth1"}})
     assert runtime_env(mine)["env_vars"]["GLOO_SOCKET_IFNAME"] == "eth1"
-
-
-def test_ray_trains_controller_polls_often_unless_configured():
-    assert runtime_env(RayConfig())["env_vars"]["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.2"
-    mine = RayConfig(runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "5"}})
-    assert runtime_env(mine)["env_vars"]["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "5"
 
 
 @pytest.mark.parametrize("nodes, n, expected", [

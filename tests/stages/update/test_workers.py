@@ -1,8 +1,10 @@
-"""Multi-worker GRPO (Ray Train DDP, gloo on CPU) gives the update of one worker."""
+"""Multi-worker GRPO (a resident Ray worker group, torch.distributed with gloo on CPU) gives the update of one worker."""
 
 from __future__ import annotations
 
 import copy
+import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,9 +67,13 @@ def test_shard_weight_is_the_token_share():
 
 
 @pytest.mark.slow
-def test_two_ddp_workers_match_one_worker(tiny_model_dir, tmp_path):
+def test_a_resident_worker_group_of_two_matches_one_worker_step_after_step(tiny_model_dir, tmp_path):
+    """Two chained updates on one worker group (started once, kept by the session) equal two in-process updates
+    of one worker; the new weights come back through the object store with their hash checked on arrival."""
     import ray
     import torch
+
+    from stages.policy.session import PolicySession, ShippedAdapter
 
     config = GRPOConfig(lr=1e-2, epochs=2, micro_batch_size=2, micro_batch_tokens=None, max_grad_norm=0.5,
                         activation_checkpointing=False)
@@ -77,28 +83,47 @@ def test_two_ddp_workers_match_one_worker(tiny_model_dir, tmp_path):
     before = {n: p.detach().clone() for n, p in one.named_parameters() if p.requires_grad}
 
     opt_one = torch.optim.AdamW([p for p in one.parameters() if p.requires_grad], lr=config.lr)
-    expected = train_on_batch(one, opt_one, samples, advantages, config, temperature=1.0)
-
     opt_two = torch.optim.AdamW([p for p in two.parameters() if p.requires_grad], lr=config.lr)
-    ctx = StageContext(Workspace.open(tmp_path / "ws"))
+    session = PolicySession()
+    ctx = StageContext(Workspace.open(tmp_path / "ws"), session=session)
+    steps = []
     try:
-        got = train(two, opt_two, samples, advantages, config.model_copy(update={"workers": 2}), temperature=1.0,
-                    ctx=ctx, base_model=str(tiny_model_dir))
+        for _ in range(2):
+            expected = train_on_batch(one, opt_one, samples, advantages, config, temperature=1.0)
+            got = train(two, opt_two, samples, advantages, config.model_copy(update={"workers": 2}), temperature=1.0,
+                        ctx=ctx, base_model=str(tiny_model_dir))
+            steps.append((expected, got))
+        # What a rollout actor receives: the object rank 0 returned, checked against the hash it was sent with.
+        ref, digest = got.stored
+        assert ShippedAdapter(None, ref, digest).receive("p").state.keys() == ray.get(ref).keys()
+        with pytest.raises(RuntimeError, match="arrived with sha256"):
+            ShippedAdapter(None, ref, "0" * 64).receive("p")
+        session.close()  # stops the group: its workers are gone
+        pid = int(got.placements[0].split(":")[1])
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):  # ray.kill is asynchronous
+                os.kill(pid, 0)
+                time.sleep(0.1)
     finally:
+        session.close()
         ray.shutdown()
 
+    (_, first), (_, second) = steps
+    assert first.placements == second.placements and len(first.placements) == 2  # one group, started once
+    assert first.history[0]["update_group_start_seconds"] > 0 and second.history[0]["update_group_start_seconds"] == 0
     after_one = dict(one.named_parameters())
     worst = max((p.detach() - after_one[n].detach()).abs().max().item()
                 for n, p in two.named_parameters() if p.requires_grad)
     moved = max((after_one[n].detach() - b).abs().max().item() for n, b in before.items())
-    assert moved > 100 * TOLERANCE  # the update did something the comparison can see
+    assert moved > 100 * TOLERANCE  # the updates did something the comparison can see
     assert worst < TOLERANCE
-    assert len(got) == len(expected) == 2
-    for g, e in zip(got, expected):
-        assert g["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-5)  # the whole batch's gradient
-        assert g["loss"] == pytest.approx(e["loss"], rel=1e-5, abs=1e-7)
-        assert g["tokens"] == e["tokens"]
-        assert g["ratio_mean"] == pytest.approx(e["ratio_mean"], rel=1e-5)
+    for expected, got in steps:
+        assert len(got.history) == len(expected) == 2
+        for g, e in zip(got.history, expected):
+            assert g["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-5)  # the whole batch's gradient
+            assert g["loss"] == pytest.approx(e["loss"], rel=1e-5, abs=1e-7)
+            assert g["tokens"] == e["tokens"]
+            assert g["ratio_mean"] == pytest.approx(e["ratio_mean"], rel=1e-5)
     # Adam's moments came back too: the next step continues from the same state.
     s_one, s_two = opt_one.state_dict()["state"], opt_two.state_dict()["state"]
     assert s_one.keys() == s_two.keys()
