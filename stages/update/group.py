@@ -111,7 +111,7 @@ class UpdateWorker:
         from peft import get_peft_model_state_dict
 
         from stages.policy.session import adapter_digest
-        from stages.update.workers import cpu_state, train_shard
+        from stages.update.shards import cpu_state, train_shard
 
         resident = self.resident
         driver_names = set(common["state"])

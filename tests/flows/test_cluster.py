@@ -182,7 +182,10 @@ def _kill_in_step(cluster: LocalRayCluster, proc: subprocess.Popen, log: Path, s
         assert proc.poll() is None, f"the run ended before a worker could be killed:\n{log.read_text()[-3000:]}"
         for pid, title in _update_worker_titles(cluster).items():
             if pid not in spare and title.startswith("ray::UpdateWorker.step"):
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended between the listing and the kill: look again
+                    continue
                 return pid
         time.sleep(0.01)
     raise AssertionError("no update worker was seen inside a step within 300 s")
@@ -222,9 +225,10 @@ def test_an_update_worker_killed_mid_step_is_replaced_once_then_named_and_a_reru
                                 stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=driver_env)
 
     first_log, rerun_log = tmp_path / "first.log", tmp_path / "rerun.log"
+    earlier = set(_update_worker_titles(cluster))  # other tests' workers on the shared cluster, maybe still ending
     run = start(first_log)
-    killed = _kill_in_step(cluster, run, first_log, spare=set())
-    retry_spare = set(_update_worker_titles(cluster)) | {killed}  # the first group's: the retry starts new workers
+    killed = _kill_in_step(cluster, run, first_log, spare=earlier)
+    retry_spare = earlier | set(_update_worker_titles(cluster)) | {killed}  # the first group's: the retry starts new ones
     killed_again = _kill_in_step(cluster, run, first_log, spare=retry_spare)
     assert run.wait(timeout=300) != 0
     err = first_log.read_text()
@@ -236,8 +240,9 @@ def test_an_update_worker_killed_mid_step_is_replaced_once_then_named_and_a_reru
     assert ws.catalog.get_checkpoint(failed["artifact_id"]) is None
     assert not (workspace / "checkpoints" / failed["artifact_id"]).exists()
 
+    earlier = set(_update_worker_titles(cluster))  # the failed run's, maybe still ending
     run = start(rerun_log)
-    killed = _kill_in_step(cluster, run, rerun_log, spare=set())
+    killed = _kill_in_step(cluster, run, rerun_log, spare=earlier)
     assert run.wait(timeout=300) == 0, rerun_log.read_text()[-4000:]
     assert f"pid {killed}) died" in rerun_log.read_text()
     ws = Workspace.open(workspace)

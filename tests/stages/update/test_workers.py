@@ -15,7 +15,8 @@ from stages.policy.lora import add_lora
 from stages.update.config import GRPOConfig
 from stages.update.data import Sample
 from stages.update.train import train_on_batch
-from stages.update.workers import scored_tokens, shard_weight, train
+from stages.update.shards import scored_tokens, shard_weight
+from stages.update.workers import train
 from storage.workspace import Workspace
 
 if TYPE_CHECKING:
