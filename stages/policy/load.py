@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.policy.model import resolve_model
+from stages.policy.model import MODEL_LOADING, resolve_model
 
 
 def load_policy(
@@ -39,12 +39,14 @@ def load_policy(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    with MODEL_LOADING:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     if adapter_dir is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=trainable)
+        with MODEL_LOADING:
+            model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=trainable)
     model.train(trainable)
     return model, tokenizer

@@ -10,6 +10,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from storage.atomic import atomic_dir, write_text_atomic
@@ -21,6 +22,11 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The folder is complete only when this marker exists (written last), so a killed
 # conversion is redone rather than loaded half-written.
 DONE_MARKER = ".rlops-complete"
+# Held around every `from_pretrained` of a model in this process: transformers builds a model under process-wide
+# patches (the default dtype, the meta device, torch.nn.init), so two threads loading at once (an asynchronous
+# run's generation and training sides) can get a model whose weights stayed on the meta device ("Cannot copy out
+# of meta tensor", a suite run of test_async_resume). Loads are seconds; generation and training are not held.
+MODEL_LOADING = threading.RLock()
 
 
 def default_model_dir() -> Path:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stages.policy.model import MODEL_LOADING
 from stages.policy.sampling import SamplingConfig, eos_token_ids
 from storage.images import ImageStore, image_bytes_from_url
 
@@ -128,7 +129,8 @@ def load_vlm_model(path: str | Path) -> Any:
 
     if not is_vision_language(AutoConfig.from_pretrained(path)):
         raise ValueError(f"{path} is not a vision-language model (its config has no vision_config)")
-    return AutoModelForImageTextToText.from_pretrained(path, dtype="float32").eval()
+    with MODEL_LOADING:
+        return AutoModelForImageTextToText.from_pretrained(path, dtype="float32").eval()
 
 
 def model_processor_fingerprint(base_model: str) -> str:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 # add_turn and turn_seed: a visual turn is appended and seeded exactly as a text turn.
 from stages.policy.agent_loop import Episode, EpisodeSpec, add_tool_results, add_turn, call_tools, turn_seed
+from stages.policy.model import MODEL_LOADING
 from stages.policy.sampling import SamplingConfig
 from stages.policy.lora import add_vlm_lora
 from stages.policy.vlm import VLMPolicy
@@ -208,5 +209,6 @@ def load_vlm_for_update(base_model: str, adapter_dir: str | None, lora: Any, sto
     else:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(base.model, adapter_dir, is_trainable=True)
+        with MODEL_LOADING:
+            model = PeftModel.from_pretrained(base.model, adapter_dir, is_trainable=True)
     return VLMPolicy(model, base.processor, store)

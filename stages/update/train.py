@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.policy.lora import LoRASettings, add_lora
-from stages.policy.model import resolve_model
+from stages.policy.model import MODEL_LOADING, resolve_model
 from stages.update.config import GRPOConfig
 from stages.update.data import Sample
 
@@ -263,7 +263,8 @@ def load_base(base_model: str, device: Any) -> Any:
 
     if is_vision_language_model(base_model):
         return load_vlm_model(Path(base_model).expanduser()).to(device)
-    return AutoModelForCausalLM.from_pretrained(resolve_model(base_model), dtype=torch.float32).to(device)
+    with MODEL_LOADING:
+        return AutoModelForCausalLM.from_pretrained(resolve_model(base_model), dtype=torch.float32).to(device)
 
 
 def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings) -> Any:
@@ -273,7 +274,8 @@ def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings
     model = load_base(base_model, "cuda" if torch.cuda.is_available() else "cpu")
     if adapter_dir is None:
         return add_lora(model, lora)
-    return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+    with MODEL_LOADING:
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
 
 
 def load_for_update(base_model: str, adapter_dir: str | None, config: GRPOConfig) -> tuple[Any, Any]:

@@ -210,10 +210,10 @@ def test_an_update_worker_killed_mid_step_is_replaced_once_then_named_and_a_reru
 
     cluster = two_nodes
     cfg = async_config(tiny_model_dir, "faults", k=0, steps=1)  # a reward with signal in every group
-    # 8 single-sequence micro-batches x 4 epochs: a step long enough to be caught inside
+    # 8 single-sequence micro-batches x 2 epochs: a step long enough to be caught inside
     # lr 1e-3: at 0.05, 32 Adam steps grow the two summation orders' float differences to ~1e-3 (measured), beyond
     # the 1e-5 that tells a whole update from one that kept a partial gradient.
-    cfg["grpo"] = {"workers": 2, "lr": 1e-3, "epochs": 4, "micro_batch_size": 1}
+    cfg["grpo"] = {"workers": 2, "lr": 1e-3, "epochs": 2, "micro_batch_size": 1}
     cfg["ray"] = {"address": cluster.address, "placement_timeout_s": 60}  # a regression ends in an error, not a hang
     path = tmp_path / "faults.yaml"
     path.write_text(yaml.safe_dump(cfg))
