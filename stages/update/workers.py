@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from stages.common import StageContext
 
 
-
 @dataclass
 class UpdateResult:
     """What an update did: one metrics dict per epoch (as `train_on_batch`), and where it ran."""
