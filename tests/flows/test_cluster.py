@@ -131,31 +131,6 @@ def test_every_stage_with_two_ray_workers_shares_a_two_cpu_local_ray(tmp_path, t
     assert ws.query("SELECT count(*) AS n FROM rollouts WHERE split = 'train'").to_pylist() == [{"n": 8}]
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("two_nodes")
-def test_two_node_every_stage_with_two_ray_workers_and_a_run_too_big_for_the_cluster(tmp_path, tiny_model_dir,
-                                                                                   two_nodes):
-    cluster = two_nodes
-    driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    too_big = _shared(tiny_model_dir, "too-big", address=cluster.address)
-    too_big["grpo"]["workers"] = 3
-    path = tmp_path / "too_big.yaml"
-    path.write_text(yaml.safe_dump(too_big))
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "big")],
-                         capture_output=True, text=True, timeout=600, env=driver_env)
-    assert out.returncode != 0
-    assert f"grpo.workers: 3 needs 3 CPUs at once; the Ray cluster at {cluster.address} has 2" in out.stderr
-    assert Workspace.open(tmp_path / "big").query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
-
-    path = tmp_path / "shared.yaml"
-    path.write_text(yaml.safe_dump(_shared(tiny_model_dir, "shared", address=cluster.address)))
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "ws")],
-                         capture_output=True, text=True, timeout=900, env=driver_env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    ws = Workspace.open(tmp_path / "ws")
-    assert ws.query("SELECT count(*) AS n FROM checkpoints WHERE kind = 'grpo'").to_pylist() == [{"n": 2}]
-
-
 def _update_worker_titles(cluster: LocalRayCluster) -> dict[int, str]:
     """pid -> process title of the worker node's update workers. Ray titles a worker after its actor class, and
     after the method it runs: `ray::UpdateWorker` idle, `ray::UpdateWorker.step` while it trains a step."""
@@ -191,15 +166,29 @@ def _kill_in_step(cluster: LocalRayCluster, proc: subprocess.Popen, log: Path, s
     raise AssertionError("no update worker was seen inside a step within 300 s")
 
 
+ODD_SAMPLE = """
+from rewards.base import reward
+
+
+@reward(low=0.0, high=1.0)
+def odd_sample(rollout) -> float:
+    \"\"\"1 for every other sample of a group: every group has signal, so every step moves the weights.\"\"\"
+    return float(rollout.sample_idx % 2)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("two_nodes")
-def test_an_update_worker_killed_mid_step_is_replaced_once_then_named_and_a_rerun_ends_with_the_same_id(
+def test_two_node_every_stage_on_two_workers_survives_killed_update_workers_and_a_run_too_big_is_refused(
         tmp_path, tiny_model_dir, two_nodes):
-    """`grpo.workers: 2` on the worker node, and one of the two update workers SIGKILLed inside its step: the step is
-    retried once by a fresh group. When the fresh group's worker is killed too, the run fails naming that worker, and
-    no checkpoint of the step exists. The rerun resumes (rollouts and scores are found), its first group loses a worker
-    the same way and is replaced, and the run ends with the checkpoint id the failed step had, whose weights are the
-    in-process update's: nothing of a partial gradient was kept."""
+    """A 2-step run on the two-node cluster whose every stage asks for 2 Ray workers (resident rollout actors,
+    score tasks, and `grpo.workers: 2`) on the worker node's 2 CPUs, with one of the two update workers SIGKILLed
+    inside step 0: the step is retried once by a fresh group. When the fresh group's worker is killed too, the run
+    fails naming that worker, and no checkpoint of the step exists. The rerun resumes (rollouts and scores are
+    found), its first group loses a worker the same way and is replaced, the replacement group stays for step 1,
+    and the run ends with step 0's checkpoint under the id the failed step had, whose weights are the in-process
+    update's: nothing of a partial gradient was kept. Before all that, a run asking for 3 update workers is refused
+    before any rollout. (One test, so the cluster runs one such driver: each costs a Prefect server and a group.)"""
     from safetensors.torch import load_file
 
     from stages import grpo
@@ -209,7 +198,23 @@ def test_an_update_worker_killed_mid_step_is_replaced_once_then_named_and_a_reru
     from tests.flows.test_async import async_config
 
     cluster = two_nodes
-    cfg = async_config(tiny_model_dir, "faults", k=0, steps=1)  # a reward with signal in every group
+    driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    too_big = _shared(tiny_model_dir, "too-big", address=cluster.address)
+    too_big["grpo"]["workers"] = 3
+    path = tmp_path / "too_big.yaml"
+    path.write_text(yaml.safe_dump(too_big))
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "big")],
+                         capture_output=True, text=True, timeout=600, env=driver_env)
+    assert out.returncode != 0
+    assert f"grpo.workers: 3 needs 3 CPUs at once; the Ray cluster at {cluster.address} has 2" in out.stderr
+    assert Workspace.open(tmp_path / "big").query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
+
+    # The nodes do not import this checkout's tests: the reward is a file both the driver and the score tasks read.
+    (tmp_path / "odd.py").write_text(ODD_SAMPLE)
+    cfg = async_config(tiny_model_dir, "faults", k=0, steps=2)
+    cfg["score"]["rewards"][0]["fn"] = f"{tmp_path / 'odd.py'}:odd_sample"
+    cfg["rollout"].update(workers=2, groups_per_shard=1)
+    cfg["score"]["workers"] = 2
     # 8 single-sequence micro-batches x 2 epochs: a step long enough to be caught inside
     # lr 1e-3: at 0.05, 32 Adam steps grow the two summation orders' float differences to ~1e-3 (measured), beyond
     # the 1e-5 that tells a whole update from one that kept a partial gradient.
@@ -217,7 +222,6 @@ def test_an_update_worker_killed_mid_step_is_replaced_once_then_named_and_a_reru
     cfg["ray"] = {"address": cluster.address, "placement_timeout_s": 60}  # a regression ends in an error, not a hang
     path = tmp_path / "faults.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     workspace = tmp_path / "ws"
 
     def start(log: Path) -> subprocess.Popen:
@@ -246,8 +250,10 @@ def test_an_update_worker_killed_mid_step_is_replaced_once_then_named_and_a_reru
     assert run.wait(timeout=300) == 0, rerun_log.read_text()[-4000:]
     assert f"pid {killed}) died" in rerun_log.read_text()
     ws = Workspace.open(workspace)
-    (final,) = [c for c in ws.catalog.checkpoints("faults") if c["kind"] == "grpo"]
-    assert final["policy_id"] == failed["artifact_id"]  # the rerun ends where the failed step would have
+    assert ws.query("SELECT count(*) AS n FROM rollouts WHERE split = 'train'").to_pylist() == [{"n": 2 * 2 * 4}]
+    final, last = [c for c in ws.catalog.checkpoints("faults") if c["kind"] == "grpo"]  # in order of creation
+    assert last["parent_id"] == final["policy_id"]
+    assert final["policy_id"] == failed["artifact_id"]  # the rerun's step 0 ends where the failed step would have
     folder = Path(final["adapter_uri"])
     kept = load_file(str(folder / "adapter_model.safetensors"))
     # The same update in this process, one worker (forced: the checkpoint is rewritten under the same id).
