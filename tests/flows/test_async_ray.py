@@ -52,7 +52,7 @@ def test_async_steps_with_ray_rollout_actors_and_ray_update_workers_follow_the_s
     # The same run without Ray: the same ids, step for step.
     assert (local.batches, local.policies) == (result.batches, result.policies)
     # Every update ran on the same two workers: the run's group, started once.
-    placed = {tuple(_update_workers(ws, policy)) for policy in result.policies}
+    placed = {tuple(_placed(ws, policy)) for policy in result.policies}
     assert len(placed) == 1 and len(next(iter(placed))) == 2
 
 
@@ -87,7 +87,9 @@ def test_the_demo_config_trains_two_steps_with_two_ddp_workers(tmp_path: Path, t
     checkpoint ("the worker's adapter differs from the driver's"): an adapter loaded from its files carries
     `inference_mode=True` in its config, from which the workers built an untrainable adapter. Two steps of the
     shipped config (SFT included) through the resident run, each update on the run's two update workers (one
-    group, started once); that the workers' update equals one worker's is test_workers.py's."""
+    group, started once); that the workers' update equals one worker's is test_workers.py's. Every other stage asks
+    for 2 Ray workers too, on rlops' own 2-CPU local Ray: the run's resident rollout actors (which also evaluate)
+    must not starve the score tasks and the update group."""
     import ray
 
     from flows.run_config import load_run_config
@@ -97,20 +99,26 @@ def test_the_demo_config_trains_two_steps_with_two_ddp_workers(tmp_path: Path, t
     odd = "{name: odd, fn: tests.stages.service.agents_for_tests.odd_answer_length}"
     cfg = load_run_config("configs/arithmetic.yaml", [
         f"base_model={tiny_model_dir}", "steps=2", "sft.max_steps=2", "rollout.prompts_per_step=2",
-        "rollout.group_size=4", "rollout.max_new_tokens=4", "eval.n_prompts=2", "eval.every=100",
+        "rollout.group_size=4", "rollout.max_new_tokens=4", "eval.n_prompts=2",
         "task.params.n_train=20", "task.params.n_test=4", "ray.local_cpus=2", "grpo.workers=2",
+        "rollout.workers=2", "rollout.groups_per_shard=1", "score.workers=2", "eval.every=2", "ray.placement_timeout_s=60",
         f"score.rewards=[{{name: correct, fn: rewards.builtin.numeric_match}}, {odd}]", "train_reward=odd"])
     ws = Workspace.open(tmp_path / "ws")
     try:
         result = pipeline.train(cfg, StageContext(ws, run_name=cfg.name, ray=cfg.ray), on_step=lambda row: None)
+        assert ray.cluster_resources()["CPU"] == 2
     finally:
         ray.shutdown()
     assert len(result.policies) == 2 and ws.catalog.get_checkpoint(result.policies[0])["parent_id"] == result.sft
-    placed = [_update_workers(ws, policy) for policy in result.policies]
+    assert ws.query("SELECT count(*) AS n FROM rollouts WHERE split = 'train'").to_pylist() == [{"n": 2 * 2 * 4}]
+    rollout_batches = [a["artifact_id"] for a in ws.catalog.artifacts("rollouts") if a["meta"].get("split") == "train"]
+    assert all(len(_placed(ws, batch)) == 2 for batch in rollout_batches)  # each step's groups on the two actors
+    placed = [_placed(ws, policy) for policy in result.policies]
     assert len(placed[0]) == 2 and placed[0] == placed[1]  # each step's update ran on the same two workers
 
 
-def _update_workers(ws: Workspace, policy: str) -> list[str]:
-    """Where the update of `policy` ran: its grpo stage run's `rlops.ray_workers` tag (`<node>:<pid>:<ppid>` each)."""
-    (run,) = [r for r in ws.catalog.stage_runs(policy) if r["status"] == "complete"]
+def _placed(ws: Workspace, artifact_id: str) -> list[str]:
+    """Where the Ray work of the stage that made `artifact_id` ran: its stage run's `rlops.ray_workers` tag
+    (`<node>:<pid>:<ppid>` each)."""
+    (run,) = [r for r in ws.catalog.stage_runs(artifact_id) if r["status"] == "complete"]
     return ws.tracker.client.get_run(run["mlflow_run_id"]).data.tags["rlops.ray_workers"].split(",")
