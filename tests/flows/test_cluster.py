@@ -130,22 +130,37 @@ def _update_worker_titles(cluster: LocalRayCluster) -> dict[int, str]:
     return titles
 
 
+def _title(pid: int) -> str:
+    """A process's title (Ray sets it as the first word of its command line); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _kill_in_step(cluster: LocalRayCluster, proc: subprocess.Popen, log: Path, spare: set[int]) -> int:
-    """SIGKILL the first update worker (not in `spare`) seen inside a step; its pid. Fails if the run ends first."""
+    """SIGKILL the first update worker (not in `spare`) seen inside a step; its pid. Fails if the run ends first.
+
+    Listing the node's processes scans all of /proc (psutil), which at a 10 ms poll took a good part of a core
+    from the rest of the suite; so the node is listed 4 times a second until a group's workers exist (they load
+    the model before their first step), then only those workers' titles are read, 10 ms apart."""
     import signal
     import time
 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the run ended before a worker could be killed:\n{log.read_text()[-3000:]}"
-        for pid, title in _update_worker_titles(cluster).items():
-            if pid not in spare and title.startswith("ray::UpdateWorker.step"):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:  # it ended between the listing and the kill: look again
-                    continue
-                return pid
-        time.sleep(0.01)
+        workers = [pid for pid in _update_worker_titles(cluster) if pid not in spare]
+        for _ in range(100 if workers else 0):
+            for pid in workers:
+                if _title(pid).startswith("ray::UpdateWorker.step"):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:  # it ended between the read and the kill: look again
+                        continue
+                    return pid
+            time.sleep(0.01)
+        time.sleep(0 if workers else 0.25)
     raise AssertionError("no update worker was seen inside a step within 300 s")
 
 

@@ -52,7 +52,7 @@ def _trigger(url: str, deployment: str) -> Any:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: url}):
-        return run_deployment(deployment, timeout=900, poll_interval=2)
+        return run_deployment(deployment, timeout=900, poll_interval=1)
 
 
 def _questions(ws: Workspace, batch_id: str) -> list[str]:
@@ -81,7 +81,8 @@ def test_triggered_deployment_runs_and_continues_the_lineage_on_new_prompts(pref
     ws = Workspace.open(ws_dir)
     first = pipeline.train(from_dict({**cfg, "steps": 2}), StageContext(ws, run_name="nightly"))
 
-    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PREFECT_HOME": str(tmp_path / "client-home")}
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PREFECT_HOME": str(tmp_path / "client-home"),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1"}  # the served runner looks for due runs every second, not every 10
     served = subprocess.Popen([sys.executable, "-m", "flows.cli", "schedule", str(cfg_path), "--cron", "0 3 * * *",
                                "--workspace", str(ws_dir)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
