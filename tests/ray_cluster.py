@@ -73,9 +73,10 @@ class LocalRayCluster:
             try:
                 self._start(["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
                              f"--temp-dir={self.temp_dir}"], "head.log")
-                self._wait_for(lambda nodes: len(nodes) >= 1)
+                self._wait_started("head.log")
                 self._start([f"--address={self.address}", f"--num-cpus={self.worker_cpus}"], "worker.log")
-                nodes = self._wait_for(lambda nodes: len(nodes) >= 2)
+                self._wait_started("worker.log")
+                nodes = self._wait_for(lambda nodes: len(nodes) >= 2)  # registered: one probe, as a rule
                 self.worker_node_id = next(n["NodeID"] for n in nodes if n["Resources"].get("CPU", 0) > 0)
                 return self
             except BaseException as e:
@@ -88,6 +89,18 @@ class LocalRayCluster:
                 self.address = f"{NODE_IP}:{self.port}"
                 self.temp_dir = Path(tempfile.mkdtemp(prefix="rlray-", dir="/tmp"))
         raise AssertionError("unreachable")
+
+    def _wait_started(self, log: str) -> None:
+        """Wait for a `ray start` to print that its node runs (it waits for its raylet to register first): reading
+        its log costs nothing, where each probe of `_wait_for` is a Python process importing Ray (seconds of CPU)."""
+        deadline = time.monotonic() + self.timeout_s
+        while b"Ray runtime started." not in (self.temp_dir / log).read_bytes():
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"ray start exited with {p.returncode}: {self.logs()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ray start did not start within {self.timeout_s:.0f} s: {self.logs()}")
+            time.sleep(0.1)
 
     def _wait_for(self, ready) -> list[dict]:
         """Poll the cluster's node list (a short-lived driver in a subprocess) until `ready(nodes)`."""
