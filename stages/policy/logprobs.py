@@ -12,6 +12,7 @@ post-process logits (Gemma 2 soft-capping, Cohere logit_scale) would need that h
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -159,7 +160,8 @@ def shared_prefix_logprobs(
     the LoRA weights through both passes. Under activation checkpointing the prefix pass runs without it
     (one short sequence) and the suffix layers are checkpointed with the prefix cache read-only
     (`_read_only_prefix`), so their recomputation in backward sees the same keys and values.
-    Llama-style decoders (transformers 5 `cache=` API); tests compare it with `token_logprobs`.
+    Llama-style decoders (transformers 5: `cache=` from 5.24, `past_key_values=` before); tests compare it
+    with `token_logprobs`.
     """
     lm = _causal_lm(model)
     decoder = lm.get_decoder()
@@ -180,13 +182,16 @@ def shared_prefix_logprobs(
     layers = list(decoder.layers)
     for layer in layers:  # the cache is only read: checkpointed layers may keep it (transformers' own rule)
         layer._can_checkpoint_with_cache = True
+    # transformers 5.24 named the argument `cache`; earlier 5.x releases ignore that name (the suffixes then
+    # ran without the prefix: a shape error) and take `past_key_values`.
+    cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
     try:
         tail = decoder(
             input_ids=suffix_ids,
             attention_mask=torch.cat([suffix_mask.new_ones(n, P), suffix_mask], 1),
             position_ids=(P + torch.arange(S, device=suffix_ids.device))[None].expand(n, -1),
-            cache=cache,
             use_cache=False,
+            **{cache_arg: cache},
         ).last_hidden_state  # (n, S, H)
     finally:
         for layer in layers:
