@@ -19,6 +19,13 @@ def prefect_harness():
         yield
 
 
+def ray_workers(ws: Any, artifact_id: str) -> list[str]:
+    """Where the Ray work of the stage that made `artifact_id` ran: its completed stage run's MLflow tag
+    `rlops.ray_workers`, one `<node id>:<pid>:<parent pid>` per worker."""
+    (run,) = [r for r in ws.catalog.stage_runs(artifact_id) if r["status"] == "complete"]
+    return ws.tracker.client.get_run(run["mlflow_run_id"]).data.tags["rlops.ray_workers"].split(",")
+
+
 def tiny_config(model_dir: Path, name: str = "e2e", steps: int = 2) -> dict[str, Any]:
     """A complete pipeline config (SFT, rollouts, scoring, GRPO, evals) small enough for a tiny model."""
     return {

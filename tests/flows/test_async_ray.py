@@ -15,6 +15,7 @@ from flows import async_steps, pipeline
 from flows.run_config import from_dict
 from stages.common import StageContext
 from storage.workspace import Workspace
+from tests.flows.conftest import ray_workers
 from tests.flows.test_async import _recomputed, async_config
 
 
@@ -40,9 +41,7 @@ def test_async_steps_with_ray_rollout_actors_and_ray_update_workers_follow_the_s
     for s, batch in enumerate(result.batches):
         scheduled = lineage[async_steps.generator_index(s, k)]
         assert ws.catalog.get_artifact(batch)["meta"]["policy_id"] == scheduled
-        (run,) = [r for r in ws.catalog.stage_runs(batch) if r["status"] == "complete"]
-        placed = ws.tracker.client.get_run(run["mlflow_run_id"]).data.tags["rlops.ray_workers"].split(",")
-        assert len(placed) == 2  # both shards went to the Ray rollout actors, not this process
+        assert len(ray_workers(ws, batch)) == 2  # both shards went to the Ray rollout actors, not this process
         assert ws.catalog.get_artifact(result.policies[s])["meta"]["metrics"]["staleness"] == min(s, k)
         # The behaviour log-probs are the scheduled version's, and no other version's.
         assert float(_recomputed(ws, batch, scheduled).max()) < 1e-3
@@ -52,7 +51,7 @@ def test_async_steps_with_ray_rollout_actors_and_ray_update_workers_follow_the_s
     # The same run without Ray: the same ids, step for step.
     assert (local.batches, local.policies) == (result.batches, result.policies)
     # Every update ran on the same two workers: the run's group, started once.
-    placed = {tuple(_placed(ws, policy)) for policy in result.policies}
+    placed = {tuple(ray_workers(ws, policy)) for policy in result.policies}
     assert len(placed) == 1 and len(next(iter(placed))) == 2
 
 
@@ -112,13 +111,6 @@ def test_the_demo_config_trains_two_steps_with_two_ddp_workers(tmp_path: Path, t
     assert len(result.policies) == 2 and ws.catalog.get_checkpoint(result.policies[0])["parent_id"] == result.sft
     assert ws.query("SELECT count(*) AS n FROM rollouts WHERE split = 'train'").to_pylist() == [{"n": 2 * 2 * 4}]
     rollout_batches = [a["artifact_id"] for a in ws.catalog.artifacts("rollouts") if a["meta"].get("split") == "train"]
-    assert all(len(_placed(ws, batch)) == 2 for batch in rollout_batches)  # each step's groups on the two actors
-    placed = [_placed(ws, policy) for policy in result.policies]
+    assert all(len(ray_workers(ws, batch)) == 2 for batch in rollout_batches)  # each step's groups on the two actors
+    placed = [ray_workers(ws, policy) for policy in result.policies]
     assert len(placed[0]) == 2 and placed[0] == placed[1]  # each step's update ran on the same two workers
-
-
-def _placed(ws: Workspace, artifact_id: str) -> list[str]:
-    """Where the Ray work of the stage that made `artifact_id` ran: its stage run's `rlops.ray_workers` tag
-    (`<node>:<pid>:<ppid>` each)."""
-    (run,) = [r for r in ws.catalog.stage_runs(artifact_id) if r["status"] == "complete"]
-    return ws.tracker.client.get_run(run["mlflow_run_id"]).data.tags["rlops.ray_workers"].split(",")

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from storage.workspace import Workspace
-from tests.flows.conftest import tiny_config
+from tests.flows.conftest import ray_workers, tiny_config
 from tests.ray_cluster import LocalRayCluster
 
 
@@ -41,9 +41,7 @@ def _rlops(env: dict[str, str], *args: str) -> str:
 
 
 def _placements(ws: Workspace, artifact_id: str) -> list[tuple[str, int, int]]:
-    (run,) = [r for r in ws.catalog.stage_runs(artifact_id) if r["status"] == "complete"]
-    tag = ws.tracker.client.get_run(run["mlflow_run_id"]).data.tags["rlops.ray_workers"]
-    return [(node, int(pid), int(ppid)) for node, pid, ppid in (p.split(":") for p in tag.split(","))]
+    return [(node, int(pid), int(ppid)) for node, pid, ppid in (w.split(":") for w in ray_workers(ws, artifact_id))]
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +98,6 @@ def test_moved_ray_address_is_a_clear_config_error(tiny_model_dir):
     cfg["rollout"].pop("ray_address")
     cfg["ray"] = {"address": "127.0.0.1:6379", "runtime_env": {"env_vars": {"A": "1"}}}
     assert from_dict(cfg).ray.address == "127.0.0.1:6379"
-
-
-def _shared(model_dir, name: str, **ray: object) -> dict:
-    """A 2-step run whose every stage asks for 2 Ray workers (rollout actors stay resident for the run)."""
-    cfg = tiny_config(model_dir, name=name, steps=2)
-    cfg.pop("sft")
-    cfg["rollout"].update(workers=2, groups_per_shard=1)
-    cfg["score"]["workers"] = 2
-    cfg["grpo"] = {"workers": 2, "lr": 1e-3}
-    cfg["eval"]["every"] = 2
-    cfg["ray"] = {"placement_timeout_s": 60, **ray}  # a regression ends in an error, not a hang
-    return cfg
 
 
 def _update_worker_titles(cluster: LocalRayCluster) -> dict[int, str]:
@@ -197,16 +183,6 @@ def test_two_node_every_stage_on_two_workers_survives_killed_update_workers_and_
 
     cluster = two_nodes
     driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    too_big = _shared(tiny_model_dir, "too-big", address=cluster.address)
-    too_big["grpo"]["workers"] = 3
-    path = tmp_path / "too_big.yaml"
-    path.write_text(yaml.safe_dump(too_big))
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "big")],
-                         capture_output=True, text=True, timeout=600, env=driver_env)
-    assert out.returncode != 0
-    assert f"grpo.workers: 3 needs 3 CPUs at once; the Ray cluster at {cluster.address} has 2" in out.stderr
-    assert Workspace.open(tmp_path / "big").query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
-
     # The nodes do not import this checkout's tests: the reward is a file both the driver and the score tasks read.
     (tmp_path / "odd.py").write_text(ODD_SAMPLE)
     cfg = async_config(tiny_model_dir, "faults", k=0, steps=2)
@@ -218,6 +194,16 @@ def test_two_node_every_stage_on_two_workers_survives_killed_update_workers_and_
     # the 1e-5 that tells a whole update from one that kept a partial gradient.
     cfg["grpo"] = {"workers": 2, "lr": 1e-3, "epochs": 2, "micro_batch_size": 1}
     cfg["ray"] = {"address": cluster.address, "placement_timeout_s": 60}  # a regression ends in an error, not a hang
+
+    too_big = {**cfg, "name": "too-big", "grpo": {**cfg["grpo"], "workers": 3}}
+    path = tmp_path / "too_big.yaml"
+    path.write_text(yaml.safe_dump(too_big))
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "--workspace", str(tmp_path / "big")],
+                         capture_output=True, text=True, timeout=600, env=driver_env)
+    assert out.returncode != 0
+    assert f"grpo.workers: 3 needs 3 CPUs at once; the Ray cluster at {cluster.address} has 2" in out.stderr
+    assert Workspace.open(tmp_path / "big").query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
+
     path = tmp_path / "faults.yaml"
     path.write_text(yaml.safe_dump(cfg))
     workspace = tmp_path / "ws"

@@ -27,6 +27,7 @@ from storage.schema import Rollout, from_table
 from storage.workspace import Workspace
 from tasks.base import Task, load_task
 from tasks.count_shapes import draw_png
+from tests.flows.conftest import ray_workers
 
 # The module's run is set up once, on one xdist worker (--dist loadgroup), not once per worker its tests land on.
 pytestmark = pytest.mark.xdist_group("vlm_pipeline")
@@ -247,11 +248,7 @@ def test_a_vlm_run_on_ray_workers_through_rlops_run(run, tiny_vlm_dir, tmp_path)
                     ).to_pylist() for w in (ws0, ws)]
     assert rows[0] == rows[1]  # the actors' episodes are the driver's, token for token, image for image
 
-    def placed(artifact: str) -> list[str]:
-        (stage_run,) = [r for r in ws.catalog.stage_runs(artifact) if r["status"] == "complete"]
-        return ws.tracker.client.get_run(stage_run["mlflow_run_id"]).data.tags["rlops.ray_workers"].split(",")
-
     for rollouts in {c["trained_on"]["batches"][0] for c in trained}:
-        assert len(set(placed(rollouts))) == 2  # both shards on the Ray rollout actors
-    groups = {tuple(placed(c["policy_id"])) for c in trained}
+        assert len(set(ray_workers(ws, rollouts))) == 2  # both shards on the Ray rollout actors
+    groups = {tuple(ray_workers(ws, c["policy_id"])) for c in trained}
     assert len(groups) == 1 and len(next(iter(groups))) == 2
