@@ -34,8 +34,10 @@ def _prefect_env(workspace: Path) -> None:
     ws = Workspace.open(workspace)
     ws.tracker
     if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
-        ws.settings.prefect_home.mkdir(parents=True, exist_ok=True)  # Prefect's SQLite cannot create the folder
+        from flows.prefect_db import seed
+
         os.environ["PREFECT_HOME"] = str(ws.settings.prefect_home)
+        seed(ws.settings.prefect_home)  # made if missing (Prefect's SQLite cannot make it), with a migrated database
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # 2 slow cores
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids error spam
 

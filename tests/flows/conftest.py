@@ -74,7 +74,11 @@ def no_prefect_api(monkeypatch):
 
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[str]:
-    """A real `prefect server start` on 127.0.0.1 (its own home and database); yields its API URL."""
+    """A real `prefect server start` on 127.0.0.1 (its own home and database, seeded as `rlops run` seeds a
+    workspace's: flows/prefect_db.py); yields its API URL."""
+    from flows.prefect_db import seed
+
+    seed(tmp_path / "server-home")
     port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "server-home"), "PREFECT_UI_ENABLED": "false",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

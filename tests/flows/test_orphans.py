@@ -42,7 +42,9 @@ DRIVER = textwrap.dedent("""
 
 def _driver_env(prefect_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
-    prefect_home.mkdir(parents=True, exist_ok=True)
+    from flows.prefect_db import seed
+
+    seed(prefect_home)  # as `rlops run` seeds a workspace's home
     return {**env, "PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240"}
 
