@@ -14,6 +14,10 @@ from stages.common import Added, Operational
 from stages.update.correction import Correction
 from stages.policy.lora import LoRASettings
 
+# PPO's step (stages/update/gae.py): every sampled token, or each assistant turn. Here, not with the torch code,
+# so that a config check imports no torch.
+Credit = Literal["token", "turn"]
+
 
 class GRPOConfig(BaseModel):
     """One GRPO update. Changing any field but the `Operational` ones changes the output checkpoint's id.

@@ -15,12 +15,10 @@ gets a positive advantage even if the episode failed later (verl #7244, prime-rl
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-Credit = Literal["token", "turn"]
+from stages.update.config import Credit
 
 
 def turn_spans(loss_mask: list[int]) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stages.policy.lora import LORA_SEED, LoRASettings
 from stages.policy.model import resolve_model
-from stages.update.gae import Credit
+from stages.update.config import Credit
 
 
 class PPOConfig(BaseModel):

@@ -118,3 +118,16 @@ def test_cli_rejects_a_bad_config_before_any_compute(tmp_path):
     assert "rollout.workers:" in out.stderr
     assert not (tmp_path / "ws").exists()  # nothing was created, let alone computed
     assert time.perf_counter() - t0 < 60
+
+
+def test_checking_a_config_and_reading_a_runs_batches_import_no_training_stack():
+    """A config check (and `rlops inspect`, which reads a run's batches through flows.pipeline) loads none of
+    torch, transformers, peft, Ray, vLLM: they cost seconds of CPU per command (torch came in through PPO's
+    config importing its credit type from the GAE code)."""
+    code = ("import sys; from flows.run_config import load_run_config; import flows.pipeline; "
+            "load_run_config('configs/arithmetic.yaml', []); "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'ray', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
