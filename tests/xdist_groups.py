@@ -4,7 +4,7 @@
    `xdist_group(name)`; with `--dist loadgroup` (pyproject.toml) xdist sends each group to one worker,
    which makes that thing once. Tests that use a module- or package-scoped fixture of the suite are
    grouped by that module or package without a mark: such a fixture is made once per worker its tests
-   land on, and `--dist load` spread them over all three. xdist finds a test's group in a `@name`
+   land on, and `--dist load` spread them over all workers. xdist finds a test's group in a `@name`
    suffix it writes into the node id on the worker (`item._nodeid`); pytest 9.2 keeps node ids in a
    structured `item._id`, so that write has no effect and every group was silently spread over all
    workers, each making the shared thing again (pytest-xdist issue 1386; the views' run was made 3
