@@ -51,6 +51,69 @@ class QueryTimeout(Exception):
 class Views:
     con: duckdb.DuckDBPyConnection
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason) of unreadable files
+    # What the views were made from, local files only: each file's stamp taken before it was read, and the
+    # stored images listed (`ViewCache` reuses the views while these and the catalog snapshots are unchanged).
+    stamps: dict[str, tuple[int, int, int] | None] = field(default_factory=dict)
+    images: list[str] = field(default_factory=list)
+
+
+def _stamp(path: str | Path) -> tuple[int, int, int] | None:
+    """(inode, mtime, size) of a local file; None if it is missing. A replaced or rewritten file changes it."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _snapshot_stamps(settings: Settings) -> tuple:
+    return tuple(_stamp(settings.snapshot_dir / f"{table}.parquet") for table in DDL)
+
+
+def _image_files(images_dir: Path) -> list[str]:
+    return sorted(str(p) for p in images_dir.glob("*/*.parquet")) if images_dir.is_dir() else []
+
+
+class ViewCache:
+    """`Workspace.query`'s views, made again only when what they read changed.
+
+    Making the views (a DuckDB connection, the catalog snapshots copied in, every registered file's footer
+    checked, ~20 views) took ~90 ms on a small workspace, for every query; stage code and tests query often.
+    The views are reused while the catalog's snapshots (each replaced whole on every catalog change), every
+    file they read (inode, mtime, size) and the list of stored images are unchanged: a query sees exactly
+    what fresh views would. One query at a time per cache (a DuckDB connection is not for concurrent use).
+    Object-store workspaces make their views per query, as before."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._local = DataStore(settings.data_root).local
+        self._lock = threading.Lock()
+        self._views: Views | None = None
+        self._snapshots: tuple = ()
+
+    def query(self, sql: str, params: list | dict | None = None) -> pa.Table:
+        with self._lock:
+            views = self._current()
+            try:
+                return views.con.sql(sql, params=params).to_arrow_table()
+            finally:
+                if not self._local:
+                    self.close()
+
+    def _current(self) -> Views:
+        snapshots = _snapshot_stamps(self.settings)
+        v = self._views
+        if (v is None or snapshots != self._snapshots or v.images != _image_files(self.settings.images_dir)
+                or any(_stamp(p) != stamp for p, stamp in v.stamps.items())):
+            self.close()
+            self._snapshots = snapshots  # taken before the views read them: a change meanwhile remakes them next time
+            self._views = open_views(self.settings)
+        return self._views
+
+    def close(self) -> None:
+        if self._views is not None:
+            self._views.con.close()
+            self._views = None
 
 
 def _sql_list(paths: list[str]) -> str:
@@ -80,6 +143,8 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
         ]
         readable = []
         for p in paths:
+            if data.local:
+                views.stamps[p] = _stamp(p)
             try:
                 data.footer(p)  # footer check: a damaged file is named and left out, the rest stays queryable
                 readable.append(p)
@@ -100,19 +165,20 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
             con.execute(f"CREATE VIEW {view} AS SELECT * FROM _{kind}")
     for name, sql in LABEL_VIEWS.items():
         con.execute(f"CREATE VIEW {name} AS {sql}")
-    _images_view(con, settings.images_dir)
+    views.images = _images_view(con, settings.images_dir)
     return views
 
 
-def _images_view(con: duckdb.DuckDBPyConnection, images_dir: Path) -> None:
+def _images_view(con: duckdb.DuckDBPyConnection, images_dir: Path) -> list[str]:
     """The `images` view: one row per stored image (an empty table with the schema when there are none).
-    The files are listed here, not globbed by DuckDB, so a writer's hidden temp file is never read."""
-    paths = sorted(str(p) for p in images_dir.glob("*/*.parquet")) if images_dir.is_dir() else []
+    The files are listed here, not globbed by DuckDB, so a writer's hidden temp file is never read. Returns them."""
+    paths = _image_files(images_dir)
     con.register("_empty_images", pa.Table.from_batches([], schema=IMAGES))
     con.execute("CREATE TABLE _images AS SELECT * FROM _empty_images")
     con.unregister("_empty_images")
     source = f" UNION ALL BY NAME SELECT * FROM read_parquet({_sql_list(paths)})" if paths else ""
     con.execute(f"CREATE VIEW images AS SELECT * FROM _images{source}")
+    return paths
 
 
 class Sandbox:

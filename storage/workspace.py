@@ -25,6 +25,7 @@ from storage.parquet import DataStore, FileInfo
 from storage.settings import Settings
 
 if TYPE_CHECKING:
+    from storage.sql import ViewCache
     from storage.tracking import Tracker
 
 
@@ -72,13 +73,13 @@ class Workspace:
 
         Values (names, ids, lists of ids) go in `params` (`?` or `$name` placeholders), never into
         the SQL text, so a quote in a run name is data, not syntax."""
-        from storage.sql import open_views
+        return self._views.query(sql, params)
 
-        views = open_views(self.settings)
-        try:
-            return views.con.sql(sql, params=params).to_arrow_table()
-        finally:
-            views.con.close()
+    @cached_property
+    def _views(self) -> "ViewCache":
+        from storage.sql import ViewCache
+
+        return ViewCache(self.settings)
 
     @cached_property
     def workspace_id(self) -> str:

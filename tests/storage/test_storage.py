@@ -140,3 +140,30 @@ def test_the_catalog_file_is_open_only_inside_a_call_and_calls_nest(ws):
     assert ws.catalog.get_artifact("ro-open")["rows"] == 2  # and this process attaches it again after
     with ws.catalog.connect(write=False) as con:
         assert con.execute("SELECT count(*) FROM written_by_another").fetchone()[0] == 0
+
+
+def test_a_workspaces_views_are_made_again_only_when_what_they_read_changed(ws, monkeypatch):
+    """Workspace.query reuses its views while the catalog, the files they read and the stored images are
+    unchanged (storage/sql.py ViewCache); after each change it answers as freshly made views do."""
+    import storage.sql
+    from storage.images import ImageStore
+    from tests.storage.test_images import encoded
+
+    made, real = [], storage.sql.open_views
+    monkeypatch.setattr(storage.sql, "open_views", lambda settings, *a: made.append(1) or real(settings, *a))
+
+    def count(view: str) -> int:
+        return ws.query(f"SELECT count(*) AS n FROM {view}").to_pylist()[0]["n"]
+
+    add_batch(ws, "ro-a")
+    assert count("rollouts") == 8 and count("rewards") == 8 and len(made) == 1  # one set of views for all three
+    add_batch(ws, "ro-b")  # the catalog changed: its snapshots are replaced
+    assert count("rollouts") == 16 and len(made) == 2
+    bad = ws.catalog.artifact_files("ro-b")[0]["path"]
+    with open(bad, "r+b") as f:  # a file the views read is damaged: left out, as fresh views leave it
+        f.seek(-64, 2)
+        f.write(b"\0" * 64)
+    assert count("rollouts") == 12 and len(made) == 3
+    ImageStore(ws.settings.images_dir).put(encoded((1, 2, 3)))  # an image stored
+    assert count("images") == 1 and len(made) == 4
+    assert count("rollouts") == 12 and len(made) == 4
