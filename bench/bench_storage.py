@@ -82,6 +82,7 @@ def rollout_batch(batch_id: str, n: int, rng: np.random.Generator) -> pa.Table:
         "num_tokens": pa.array(lengths.astype(np.int32)),
         "loss_mask": _lists(lengths, mask, pa.int8()), "behavior_logprobs": _lists(lengths, logprobs, pa.float32()),
         "segment_starts": pa.array([[]] * n, pa.list_(pa.int32())),
+        "image_ids": pa.array([[]] * n, ROLLOUTS.field("image_ids").type),
         "num_turns": pa.array(np.full(n, 3, dtype=np.int32)), "num_tool_calls": pa.array(np.full(n, 2, dtype=np.int32)),
         "finish_reason": pa.array(["answer"] * n), "truncated": pa.array(np.zeros(n, dtype=bool)),
         "metadata": pa.array([json.dumps({"answer": "1987", "answer_doc_id": "d12"})] * n),
