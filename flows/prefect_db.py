@@ -12,13 +12,14 @@ own after a first run. storage.tracking does the same for MLflow's database.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
 from importlib.metadata import version
 from pathlib import Path
+
+from storage.atomic import copy_if_absent
 
 
 def _template() -> Path | None:
@@ -57,11 +58,4 @@ def seed(home: Path) -> None:
     template = _template()
     if template is None:
         return
-    copy = db.with_name(f".{db.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        shutil.copyfile(template, copy)
-        os.link(copy, db)
-    except FileExistsError:
-        pass
-    finally:
-        copy.unlink(missing_ok=True)
+    copy_if_absent(template, db)

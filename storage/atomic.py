@@ -97,6 +97,22 @@ def write_text_atomic(path: Path | str, text: str) -> None:
         f.write(text)
 
 
+def copy_if_absent(src: Path | str, dst: Path | str) -> None:
+    """Copy `src` to `dst` unless `dst` exists: copied beside it, then linked into place, so `dst` is whole or
+    absent, and a file another process made there meanwhile is kept (a template database copied into a new
+    workspace: storage/tracking.py, flows/prefect_db.py)."""
+    dst = Path(dst)
+    copy = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        shutil.copyfile(src, copy)
+        try:
+            os.link(copy, dst)
+        except FileExistsError:
+            pass
+    finally:
+        copy.unlink(missing_ok=True)
+
+
 def _clear_stale(final: Path) -> None:
     """Remove temp folders of `final` whose writing process is gone (a killed run)."""
     for tmp in final.parent.glob(f".{final.name}.tmp-*"):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import shutil
 import sqlite3
 import uuid
 from contextlib import contextmanager
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import unquote, urlparse
 
-from storage.atomic import WriteError, write_error
+from storage.atomic import WriteError, copy_if_absent, write_error
 from storage.settings import no_telemetry
 
 no_telemetry()  # before mlflow is first imported: it reads its switch then
@@ -58,17 +57,10 @@ def _new_database(db: Path) -> None:
         MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()  # creates and migrates it
         os.replace(made, template)
     db.parent.mkdir(parents=True, exist_ok=True)
-    copy = db.with_name(f".{db.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        shutil.copyfile(template, copy)
-        try:
-            os.link(copy, db)
-        except FileExistsError:
-            pass
+        copy_if_absent(template, db)
     except OSError as e:
         raise write_error(db, e) from e
-    finally:
-        copy.unlink(missing_ok=True)
 
 
 class Tracker:
