@@ -48,7 +48,9 @@ class LocalRayCluster:
         # No drain on SIGTERM: `stop` signals each node's whole process group, so the head's GCS is gone
         # before its `ray start` asks it to drain the node, and that request waits out the 30 s default.
         self.env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+                    # no idle workers for the first driver: rlops' work carries a runtime_env they lack (stages.cluster)
+                    "RAY_prestart_worker_first_driver": "0"}
         self.procs: list[subprocess.Popen] = []
         self.worker_node_id: str | None = None
 
