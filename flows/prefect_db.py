@@ -52,10 +52,14 @@ def seed(home: Path) -> None:
     home.mkdir(parents=True, exist_ok=True)
     if os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL"):
         return
-    db = home / "prefect.db"
+    copy_template(home / "prefect.db")
+
+
+def copy_template(db: Path) -> None:
+    """Put a copy of the migrated empty database at `db` unless a file is there already (or no template can
+    be made); for a server whose database URL names `db`."""
     if db.exists():
         return
     template = _template()
-    if template is None:
-        return
-    copy_if_absent(template, db)
+    if template is not None:
+        copy_if_absent(template, db)

@@ -11,12 +11,19 @@ from tests.processes import free_port, start_server, stop
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """A real (temporary) Prefect server with its own database, for the whole session."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
+    """A real (temporary) Prefect server with its own database, for the whole session; the database starts as a
+    copy of the migrated empty one, as a new workspace's does (flows/prefect_db.py)."""
+    import prefect.testing.utilities as harness
 
-    with prefect_test_harness(server_startup_timeout=180):  # 2 slow cores: migrations take a while
-        yield
+    from flows.prefect_db import copy_template
+
+    folder = tmp_path_factory.mktemp("prefect-harness")
+    copy_template(folder / "prefect-test.db")  # the harness names its database so, in the folder mkdtemp gives
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(harness, "mkdtemp", lambda: str(folder))
+        with harness.prefect_test_harness(server_startup_timeout=180):  # 2 slow cores
+            yield
 
 
 def ray_workers(ws: Any, artifact_id: str) -> list[str]:
