@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextvars
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -49,54 +48,34 @@ def _transient(task_obj: Any, task_run: Any, state: Any) -> bool:
 def run_here(flow_obj: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a flow in this process, as the CLI does (`rlops run`, `rescore`, `retrain`, `stage --prefect`).
 
+    With no Prefect server configured (no PREFECT_API_URL), the flow reports to a temporary server that
+    rlops starts (flows/temp_server.py): Prefect's own, started without importing Prefect's server into
+    this process, watched so it dies with this process, and at a lower CPU priority (niceness 10,
+    `RLOPS_PREFECT_SERVER_NICE`; 0 opts out): measured on 2 cores, it spends ~0.7-1.3 s of CPU recording
+    the events of a 17-task run, which it then takes from the gaps, not from the training threads.
+
     Flow-run heartbeats are off here unless PREFECT_FLOWS_HEARTBEAT_FREQUENCY is set: they only feed
     a crash-detection automation (rlops resumes from the catalog instead), and Prefect's heartbeat
     thread sleeps in 1 s slices that the engine joins at exit, which cost ~0.4 s per run. Served
     deployments (`rlops schedule`) keep Prefect's default.
     """
-    _yield_cpu_to_training()
-    if os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY"):
-        return flow_obj(*args, **kwargs)
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.settings import (PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+                                  PREFECT_SERVER_EPHEMERAL_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+                                  temporary_settings)
 
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    updates: dict[Any, Any] = {}
+    if not os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY"):
+        updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
+    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        from flows.temp_server import TemporaryServer
+
+        server = TemporaryServer(niceness=int(os.environ.get("RLOPS_PREFECT_SERVER_NICE", SERVER_NICENESS)))
+        updates[PREFECT_API_URL] = server.start(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    with temporary_settings(updates):
         return flow_obj(*args, **kwargs)
 
 
 SERVER_NICENESS = 10
-
-
-def _yield_cpu_to_training() -> None:
-    """Lower the CPU priority of a temporary Prefect server this process runs (the ephemeral one that
-    `rlops run` starts when no PREFECT_API_URL is set, started here so this can happen first).
-
-    Measured on 2 cores: the server spends ~0.7–1.3 s of CPU recording the events of a 17-task run,
-    taken from the training threads; at a lower priority it records them in the gaps instead. A
-    server someone else started (PREFECT_API_URL) is left alone. Set RLOPS_PREFECT_SERVER_NICE=0 to opt out.
-    """
-    niceness = int(os.environ.get("RLOPS_PREFECT_SERVER_NICE", SERVER_NICENESS))
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        from prefect.server.api.server import SubprocessASGIServer
-
-        from flows.server_watchdog import watch
-
-        server = SubprocessASGIServer()
-        watch(server)  # the server exits with this process even when it is SIGKILLed alone
-        server.start()  # what the first API call would do; idempotent
-    # With an API URL, only a server this process already runs (e.g. a test harness) can be ours;
-    # importing the server module just to find none would cost ~1 s.
-    server_module = sys.modules.get("prefect.server.api.server")
-    if niceness <= 0 or server_module is None:
-        return
-    for server in list(server_module.SubprocessASGIServer._instances.values()):
-        proc = getattr(server, "server_process", None)
-        if proc is not None and proc.poll() is None:
-            try:
-                os.setpriority(os.PRIO_PROCESS, proc.pid, max(os.getpriority(os.PRIO_PROCESS, proc.pid), niceness))
-            except (OSError, AttributeError):  # not permitted, or no setpriority (Windows): run as is
-                pass
 
 
 def prefect_call(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs: Any) -> ArtifactRef:

@@ -1,10 +1,10 @@
 """A watchdog that stops the temporary Prefect server when the `rlops` process that started it dies.
 
-Prefect stops its temporary server from an `atexit` hook, which never runs when the driver is
-killed with SIGKILL alone (the kernel's OOM killer does exactly that, to one process, not its
-group): the server would live on, holding its port and SQLite database. Prefect starts the
-server with its own `Popen`, so a parent-death signal (`prctl(PR_SET_PDEATHSIG)`) cannot be set
-on it; instead each server process gets a small watchdog process, started by the driver right
+The driver stops its temporary server from an `atexit` hook (flows/temp_server.py), which never runs
+when the driver is killed with SIGKILL alone (the kernel's OOM killer does exactly that, to one
+process, not its group): the server would live on, holding its port and SQLite database. A
+parent-death signal (`prctl(PR_SET_PDEATHSIG)`) would need a `preexec_fn`, unsafe in a driver with
+threads; instead each server process gets a small watchdog process, started by the driver right
 after the server's `Popen` (before its ~10-20 s start-up, so a kill during start-up is covered too).
 
 The watchdog polls its own parent: when `os.getppid()` is no longer the driver, the driver has
@@ -26,25 +26,6 @@ from typing import Any
 
 POLL_S = 0.5  # how soon a dead driver is noticed; a sleeping poll costs nothing measurable
 GRACE_S = 10.0  # uvicorn's graceful shutdown (Prefect's services stop) before SIGKILL
-
-
-def watch(server: Any) -> None:
-    """Give every server process `server` (a `prefect.server.api.server.SubprocessASGIServer`)
-    starts from now on a watchdog; call before `server.start()`. Idempotent."""
-    if getattr(server, "_rlops_watched", False):
-        return
-    spawn = server._run_uvicorn_command  # Prefect's one place that Popens the server (and re-Popens on a port clash)
-
-    def spawn_watched() -> subprocess.Popen[Any]:
-        proc = spawn()
-        start_watchdog(proc.pid)
-        return proc
-
-    server._run_uvicorn_command = spawn_watched
-    server._rlops_watched = True
-    proc = getattr(server, "server_process", None)
-    if proc is not None and proc.poll() is None:  # already running (started before this call)
-        start_watchdog(proc.pid)
 
 
 def start_watchdog(server_pid: int) -> subprocess.Popen[bytes]:
