@@ -4,6 +4,7 @@ and continues the same parent run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from flows.prefect_flows import SERVER_NICENESS
 from flows.resume import DRIVER_TAG, INTERRUPTED_TAG, RunInProgress, parent_run, this_driver
 from storage.workspace import Workspace
 from tests.flows.conftest import expected_rows, row_counts, tiny_config
@@ -100,10 +102,44 @@ def test_temporary_prefect_server_exits_with_its_driver_killed_while_it_starts(t
     server = watchdog = None
     try:
         server, watchdog = _server_and_watchdog(driver)
+        # at a lower CPU priority than the training it records (flows.prefect_flows.run_here)
+        wait_until(lambda: server.nice() >= SERVER_NICENESS, driver, "the server's priority lowered")
         kill(driver, group=False)  # the driver only, as the OOM killer does
         assert _reap_leftovers([server, watchdog]) == []
     finally:
         _clean_up(driver, server, watchdog)
+
+
+REPORTER = textwrap.dedent("""
+    import json, sys
+    import httpx
+    from prefect import flow
+    from prefect.context import get_run_context
+    from prefect.settings import PREFECT_API_URL
+    from flows.prefect_flows import run_here
+
+    @flow
+    def where() -> tuple[str, str]:
+        return PREFECT_API_URL.value(), str(get_run_context().flow_run.id)
+
+    url, run_id = run_here(where)
+    state = httpx.get(f"{url}/flow_runs/{run_id}").json()["state"]["type"]
+    print(json.dumps({"url": url, "state": state, "server_imported": "prefect.server.api.server" in sys.modules}))
+""")
+
+
+def test_a_flow_reports_to_the_temporary_server_rlops_starts_without_importing_prefects_server(tmp_path):
+    """`run_here` with no server configured: the flow runs against the temporary server rlops started (the
+    run is recorded there, COMPLETED), and the driver never imports Prefect's server (~2 s of CPU)."""
+    script = tmp_path / "reporter.py"
+    script.write_text(REPORTER)
+    out = subprocess.run([sys.executable, str(script)], env=_driver_env(tmp_path / "prefect"), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["url"].startswith("http://127.0.0.1:") and report["url"].endswith("/api")
+    assert report["state"] == "COMPLETED"
+    assert report["server_imported"] is False
 
 
 def _children(client: MlflowClient, parent: str, status: str) -> list:
