@@ -92,6 +92,8 @@ def runtime_env(config: RayConfig) -> dict[str, Any]:
         # A local Ray's workers import from this machine already; only a cluster needs the code sent.
         shipped = [importlib.import_module(name) for name in PACKAGES]
         env["py_modules"] = [*env.get("py_modules", []), *shipped]
+        # Bytecode is not sent: Ray unpacks without the sources' times, so the workers could not use it anyway.
+        env["excludes"] = [*env.get("excludes", []), "__pycache__"]
     return env
 
 

@@ -15,6 +15,9 @@ def test_code_is_shipped_only_to_a_cluster():
     env = runtime_env(RayConfig(address="10.0.0.5:6379", runtime_env={"env_vars": {"A": "1"}}))
     assert env["env_vars"] == {"A": "1"}  # a real cluster: gloo picks its interface as configured
     assert [m.__name__ for m in env["py_modules"]] == list(PACKAGES) and stages in env["py_modules"]
+    assert env["excludes"] == ["__pycache__"]  # bytecode stays here: unpacked there without its sources' times
+    mine = runtime_env(RayConfig(address="10.0.0.5:6379", runtime_env={"excludes": ["*.csv"]}))
+    assert mine["excludes"] == ["*.csv", "__pycache__"]
     assert "py_modules" not in runtime_env(RayConfig(address="10.0.0.5:6379", ship_code=False))
 
 
