@@ -7,13 +7,13 @@ import os
 import subprocess
 import sys
 
-import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from flows import pipeline
 from flows.run_config import from_dict
 from stages.common import StageContext
+from storage.catalog import read_snapshot
 from storage.workspace import Workspace
 from tests.flows.test_async import async_config
 from tests.processes import kill, start_run, wait_until
@@ -51,7 +51,7 @@ def test_async_run_killed_midflight_resumes_to_the_uninterrupted_artifacts(tmp_p
     snapshot = ws_dir / "catalog" / "checkpoints.parquet"  # readable while the flow holds the catalog
 
     def grpo_checkpoints() -> int:
-        return pq.read_table(snapshot)["kind"].to_pylist().count("grpo") if snapshot.exists() else 0
+        return read_snapshot(snapshot, ["kind"])["kind"].to_pylist().count("grpo") if snapshot.exists() else 0
 
     # step 0 trained; batches 1 and 2 are being (or have been) generated
     wait_until(lambda: grpo_checkpoints() >= 1, proc, "the first GRPO checkpoint (it ended before it could be killed)",

@@ -12,13 +12,13 @@ import textwrap
 from pathlib import Path
 
 import psutil
-import pyarrow.parquet as pq
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
 from flows.prefect_flows import SERVER_NICENESS
 from flows.resume import DRIVER_TAG, INTERRUPTED_TAG, RunInProgress, parent_run, this_driver
+from storage.catalog import read_snapshot
 from storage.workspace import Workspace
 from tests.flows.conftest import expected_rows, row_counts, tiny_config
 from tests.processes import kill, start_run, wait_until
@@ -196,11 +196,11 @@ def test_resume_closes_runs_a_killed_driver_left_running_and_continues_its_paren
     server = watchdog = None
     try:
         server, watchdog = _server_and_watchdog(driver)
-        wait_until(lambda: snapshot.exists() and "grpo" in pq.read_table(snapshot)["kind"].to_pylist(), driver,
+        wait_until(lambda: snapshot.exists() and "grpo" in read_snapshot(snapshot, ["kind"])["kind"].to_pylist(), driver,
                    "the first GRPO checkpoint", timeout=900, every=0.2, log=log)
         gate.touch()  # the next stage that scores holds
         wait_until(held.exists, driver, "a stage held by the gated reward", timeout=900, every=0.2, log=log)
-        parent = pq.read_table(runs_snapshot).to_pylist()[0]["mlflow_run_id"]
+        parent = read_snapshot(runs_snapshot).to_pylist()[0]["mlflow_run_id"]
         held_stages = {r.info.run_id: r.data.tags["rlops.artifact_id"] for r in _children(client, parent, "RUNNING")}
         kill(driver, group=False)  # the driver only, as the OOM killer does
         assert _reap_leftovers([server, watchdog]) == []
