@@ -4,7 +4,7 @@ With no `PREFECT_API_URL`, Prefect starts a temporary server itself on its first
 (`prefect.server.api.server.SubprocessASGIServer`). Reaching that class imports Prefect's whole server
 (its ORM, API routes and services) into the driver, which never serves a request: ~2 s of CPU per
 command on 2 cores, measured. rlops starts the same server the same way instead (the same uvicorn
-command, environment, port range and start-up timeout) and hands the flow its address, so the driver
+command, environment and start-up timeout; a free port from the OS) and hands the flow its address, so the driver
 imports only Prefect's client. The server also gets what rlops adds to it: a watchdog that stops it if
 the driver is SIGKILLed (flows/server_watchdog.py) and a lower CPU priority (`RLOPS_PREFECT_SERVER_NICE`).
 It stops when the driver exits, as Prefect's does.
@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import atexit
 import os
-import random
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-PORTS = range(8000, 9000)  # where Prefect puts its temporary server
 PORT_IN_USE = 3  # uvicorn's exit status when its port was taken meanwhile
 STOP_GRACE_S = 5.0  # as Prefect's stop: SIGTERM, then SIGKILL
 
@@ -98,13 +96,7 @@ class TemporaryServer:
 
 
 def _free_port() -> int:
-    for _ in range(10):
-        port = random.choice(PORTS)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                time.sleep(random.uniform(0.1, 0.5))
-                continue
-        return port
-    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1} for the temporary Prefect server")
+    """A port the OS has free now; taken meanwhile, the server exits with PORT_IN_USE and gets another."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
