@@ -41,6 +41,18 @@ def script_messages(call_id: str = "call_0") -> list[dict[str, Any]]:
     ]
 
 
+def labelled_loss(model: Any, ids: list[int], labels: list[int], **inputs: Any) -> Any:
+    """The causal LM loss of one sequence over its labelled tokens (-100 elsewhere), as `model(labels=...)`
+    computes it, with the vocabulary projection applied only at the positions that predict them
+    (`logits_to_keep`): for the tiny models the projection onto a 49k-token vocabulary is nearly all of a
+    training step, and most positions are prompt."""
+    import torch
+
+    at = torch.tensor([i for i in range(len(ids) - 1) if labels[i + 1] != -100])
+    logits = model(input_ids=torch.tensor([ids]), logits_to_keep=at, **inputs).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(len(at), -1), torch.tensor(labels)[at + 1])
+
+
 def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-2,
                    messages: list[dict[str, Any]] | None = None) -> Path:
     """Train a copy of the tiny model at `model_dir` on the scripted conversation (or on `messages`, another
@@ -62,18 +74,10 @@ def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-
         labels += [-100] * len(p) + a
         ids += tok("\n", add_special_tokens=False)["input_ids"]  # the template's newline after <|im_end|>
         labels += [-100]
-    # The causal LM loss over the labelled tokens (what `model(labels=...)` computes), with the vocabulary
-    # projection applied only at the positions that predict them: at hidden size 32 the projection onto the
-    # 49k-token vocabulary is nearly all of a step's work, and most positions are prompt.
-    ids_t = torch.tensor([ids])
-    at = torch.tensor([i for i in range(len(ids) - 1) if labels[i + 1] != -100])
-    targets = torch.tensor(labels)[at + 1]
-    body, head = model.get_decoder(), model.get_output_embeddings()
     torch.manual_seed(0)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(steps):
-        hidden = body(input_ids=ids_t).last_hidden_state[0, at]
-        loss = torch.nn.functional.cross_entropy(head(hidden), targets)
+        loss = labelled_loss(model, ids, labels)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -23,6 +23,7 @@ from stages.policy.vlm_episodes import ResidentVLM
 from storage.images import ImageStore, image_id
 from storage.schema import Message
 from tasks.count_shapes import draw_png, make_task, zoom, zoom_png
+from tests.scripted_model import labelled_loss
 
 CALL = {"name": "zoom", "arguments": {"region": "top-left"}}
 TASK = {"size": 32, "n_train": 4, "n_test": 1, "zoom_turns": 2}
@@ -65,7 +66,7 @@ def zoom_vlm_dir(tiny_vlm_dir, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(150):
-        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]), **vision.tensors).loss
+        loss = labelled_loss(model, ids, labels, **vision.tensors)
         opt.zero_grad()
         loss.backward()
         opt.step()
