@@ -32,6 +32,7 @@ from stages.reward_ref import RewardRef
 from stages.score import ScoreError
 from storage.schema import Message, Rollout
 from storage.workspace import Workspace
+from tests.scripted_model import labelled_loss
 
 pytestmark = pytest.mark.slow  # tiny models, two rollouts, a judge trained for a few seconds, an update: ~15 s
 
@@ -103,12 +104,12 @@ def train_verdict(random_dir: Path, out: Path, steps: int = 60) -> Path:
         prompt = tok(tok.apply_chat_template(judge_request(group), tokenize=False, add_generation_prompt=True),
                      add_special_tokens=False)["input_ids"]
         answer = tok(VERDICT, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        sequences.append((torch.tensor([prompt + answer]), torch.tensor([[-100] * len(prompt) + answer])))
+        sequences.append((prompt + answer, [-100] * len(prompt) + answer))
     torch.manual_seed(0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(steps):
         for ids, labels in sequences:
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = labelled_loss(model, ids, labels)
             opt.zero_grad()
             loss.backward()
             opt.step()
