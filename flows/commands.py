@@ -23,16 +23,6 @@ def _config(args: argparse.Namespace):  # -> RunConfig
     return load_run_config(args.config, args.set)
 
 
-def _check_cluster(cfg: Any) -> None:
-    """Join or start the run's Ray and refuse what it can never place (stages.cluster.prepare) before the
-    temporary Prefect server starts: a run too big for its cluster fails in seconds. The flow's own check
-    then finds Ray ready. A no-op for a run that asks no stage for Ray workers."""
-    from flows.pipeline import ray_workers
-    from stages import cluster
-
-    cluster.prepare(cfg.ray, ray_workers(cfg), overlapped=cfg.max_staleness > 0)
-
-
 def _prefect_env(workspace: Path) -> None:
     """Keep Prefect's state in the workspace unless a server or home is configured, and create the
     MLflow database first, in this thread: its SQLite migrations must not race the temporary Prefect
@@ -78,7 +68,9 @@ def results_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 @guard
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    _check_cluster(cfg)
+    from flows.pipeline import prepare_cluster
+
+    prepare_cluster(cfg)  # before the temporary Prefect server: a run too big for its cluster fails in seconds
     ws_path = _workspace_path(args)
     _prefect_env(ws_path)
     from flows.prefect_flows import run_here, train_flow

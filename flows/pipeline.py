@@ -106,6 +106,13 @@ def ray_workers(cfg: RunConfig) -> dict[str, int]:
             "grpo.workers": update_workers(cfg)}
 
 
+def prepare_cluster(cfg: RunConfig) -> None:
+    """Join or start the run's Ray and refuse what it can never place (stages.cluster.prepare); a no-op for a
+    run that asks no stage for Ray workers. `rlops run` calls it before its temporary Prefect server starts,
+    the run itself again (then Ray is ready)."""
+    cluster.prepare(cfg.ray, ray_workers(cfg), overlapped=cfg.max_staleness > 0)
+
+
 def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | None, start_step: int,
            on_step: Callable[[dict[str, Any]], None]) -> TrainResult:
     ws = ctx.ws
