@@ -1,7 +1,7 @@
 """A tiny model that has memorised one tool-using conversation, so tests see real tool calls.
 
 The random tiny model of tests/conftest.py never writes a `<tool_call>`; this one is the same
-architecture trained (a few seconds on CPU) until greedy decoding reproduces the scripted
+architecture trained (~4 s of CPU) until greedy decoding reproduces the scripted
 assistant turns: a `search` call, then the answer after the tool's result. Everything around it
 (templates, tokens, log-probs, the service) is real.
 """

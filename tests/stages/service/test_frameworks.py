@@ -27,7 +27,7 @@ import pytest
 from tests.scripted_model import ANSWER, QUESTION, SYSTEM, TOOL_RESULT
 from tests.stages.service.framework_checks import check_tool_episode, same_record
 
-pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session; framework imports take ~10 s
+pytestmark = pytest.mark.slow  # the scripted model (built once per run); framework imports take ~10 s
 
 
 def _watched() -> tuple[httpx.AsyncClient, list[dict[str, Any]]]:

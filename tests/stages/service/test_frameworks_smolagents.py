@@ -22,7 +22,7 @@ import pytest
 from tests.scripted_model import CALL, QUESTION, SYSTEM, TOOL_RESULT, train_scripted
 from tests.stages.service.framework_checks import assert_echo_recognised, episode, same_record, sampled_texts
 
-pytestmark = pytest.mark.slow  # setup ~45 s on a loaded 2-core machine: a tiny model memorises a ~1000-token prompt
+pytestmark = pytest.mark.slow  # setup: smolagents imports, a tiny model memorises a ~1000-token prompt
 
 FINAL = {"name": "final_answer", "arguments": {"answer": "1987"}}
 

@@ -14,7 +14,7 @@ import pytest
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS
 from tests.stages.service.test_stream import _same_record
 
-pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
+pytestmark = pytest.mark.slow  # the scripted model (built once per run) and a service
 
 # The scripted tool in Anthropic's shape. SDK 2.10 takes no temperature argument: it goes in extra_body,
 # as older SDKs send it (greedy, so the scripted turns come back).

@@ -11,7 +11,7 @@ import pytest
 from tests.scripted_model import QUESTION, SYSTEM, TOOLS
 from tests.service_fixtures import client_of
 
-pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
+pytestmark = pytest.mark.slow  # the scripted model (built once per run) and a service
 
 OPENING = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 

@@ -16,7 +16,7 @@ import pytest
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS
 from tests.service_fixtures import client_of
 
-pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
+pytestmark = pytest.mark.slow  # the scripted model (built once per run) and a service
 
 FLAT_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses shape
 

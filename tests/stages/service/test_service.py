@@ -28,7 +28,7 @@ from storage.workspace import Workspace
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS, scripted_model_dir, script_messages  # noqa: F401
 from tests.service_fixtures import broken_service, client_of, serving
 
-pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
+pytestmark = pytest.mark.slow  # the scripted model (built once per run) and a service
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from stages.service.stream import TokenFeed, settled
 from tests.scripted_model import ANSWER, CALL, QUESTION, SYSTEM, TOOL_RESULT, TOOLS, script_messages
 from tests.service_fixtures import broken_service, client_of
 
-pytestmark = pytest.mark.slow  # the scripted model trains for ~40 s once per session
+pytestmark = pytest.mark.slow  # the scripted model (built once per run) and a service
 
 
 @pytest.fixture(scope="module")
