@@ -22,21 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def conversation(tok):  # -> (ids, labels): the scripted conversation as train_scripted builds it
-    from tests.scripted_model import script_messages
-
-    messages = script_messages()
-    ids: list[int] = []
-    labels: list[int] = []
-    for k in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
-        prompt = tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
-        p = tok(prompt, add_special_tokens=False)["input_ids"][len(ids):]
-        a = tok(messages[k]["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        newline = tok("\n", add_special_tokens=False)["input_ids"]
-        ids, labels = ids + p + a + newline, labels + [-100] * len(p) + a + [-100] * len(newline)
-    return ids, labels
-
-
 def train(model_dir: Path, ids: list[int], labels: list[int], steps: int, kept: bool) -> tuple[float, float]:
     """(CPU seconds of `steps` Adam steps, the last loss)."""
     import torch
@@ -68,13 +53,14 @@ def main() -> None:
 
     from stages.policy.model import prepare_default_model
     from tests.conftest import _tiny_llama
+    from tests.scripted_model import conversation_tokens, script_messages
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(prepare_default_model())
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**_tiny_llama(tok))).save_pretrained(tmp)
-        ids, labels = conversation(tok)
+        ids, labels = conversation_tokens(tok, script_messages())
         print(f"conversation: {len(ids)} tokens, {sum(x != -100 for x in labels)} labelled; {args.steps} steps")
         runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for _ in range(args.repeats):

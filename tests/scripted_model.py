@@ -53,17 +53,9 @@ def labelled_loss(model: Any, ids: list[int], labels: list[int], **inputs: Any) 
     return torch.nn.functional.cross_entropy(logits.reshape(len(at), -1), torch.tensor(labels)[at + 1])
 
 
-def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-2,
-                   messages: list[dict[str, Any]] | None = None) -> Path:
-    """Train a copy of the tiny model at `model_dir` on the scripted conversation (or on `messages`, another
-    conversation in the same shape); save it to `out`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    messages = messages or script_messages()
-    # One sequence, the whole conversation; the loss is on the assistant turns (with their <|im_end|>).
+def conversation_tokens(tok: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """(token ids, labels) of a conversation as one sequence: the labels are the assistant turns' tokens (with
+    their <|im_end|>), -100 elsewhere."""
     ids: list[int] = []
     labels: list[int] = []
     for k in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
@@ -74,6 +66,20 @@ def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-
         labels += [-100] * len(p) + a
         ids += tok("\n", add_special_tokens=False)["input_ids"]  # the template's newline after <|im_end|>
         labels += [-100]
+    return ids, labels
+
+
+def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-2,
+                   messages: list[dict[str, Any]] | None = None) -> Path:
+    """Train a copy of the tiny model at `model_dir` on the scripted conversation (or on `messages`, another
+    conversation in the same shape); save it to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    messages = messages or script_messages()
+    ids, labels = conversation_tokens(tok, messages)
     torch.manual_seed(0)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(steps):
