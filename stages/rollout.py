@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -31,7 +32,7 @@ from stages.policy.vlm import is_vision_language_model
 from stages.policy.vlm_episodes import refuse_unsupported, task_policy_problem, unsupported_with_vlm
 from storage.checkpoints import local_copy
 from storage.schema import Rollout, to_table
-from tasks.base import Prompt, content_digest, load_task
+from tasks.base import Prompt, content_digest, load_task, pick
 
 
 class TaskSpec(BaseModel):
@@ -74,11 +75,11 @@ def concurrent_episodes(config: RolloutConfig, n_prompts: int) -> int:
     return min(config.groups_per_shard, n_prompts) * config.group_size
 
 
-def select_prompts(prompts: list[Prompt], n: int, step: int) -> list[Prompt]:
+def select_prompts(prompts: Sequence[Prompt], n: int, step: int) -> list[Prompt]:
     """The `n` prompts of a step: consecutive, wrapping around the split."""
     if not prompts:
         raise ValueError("the task has no prompts in this split")
-    return [prompts[(step * n + i) % len(prompts)] for i in range(n)]
+    return pick(prompts, [(step * n + i) % len(prompts) for i in range(n)])
 
 
 class RolloutWorker:

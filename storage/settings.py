@@ -22,6 +22,7 @@ NO_TELEMETRY = {
     "HF_HUB_DISABLE_TELEMETRY": "1",  # huggingface_hub: a HEAD to huggingface.co when TRL's trainers start
     "OPENAI_AGENTS_DISABLE_TRACING": "1",  # OpenAI Agents SDK in user agents: traces to api.openai.com
     "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # LiteLLM in user agents: its price map from GitHub at import
+    "HF_UPDATE_DOWNLOAD_COUNTS": "false",  # datasets: a HEAD to s3.amazonaws.com from load_dataset("json", ...)
 }
 
 

@@ -22,7 +22,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from storage.atomic import atomic_file
 from storage.ids import canonical_json
@@ -40,6 +40,9 @@ class Prompt:
     prompt_id: str
     question: str  # the user message
     metadata: dict[str, Any]  # ground truth and task fields, stored in rollouts.metadata
+    # The whole opening conversation when the data gives one (a conversational dataset row, tasks/dataset.py):
+    # used as it is instead of the task's system prompt + `question`, which is then its last user message.
+    messages: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,16 @@ class AgentSpec:
 class Task:
     name: str
     system_prompt: str
-    prompts: Callable[[str], list[Prompt]]  # split ("train" | "test") -> prompts, in a stable order
+    # split ("train" | "test") -> prompts, in a stable order: a list, or a sequence read on demand from a large
+    # file (tasks/dataset.py; `pick` takes many of its prompts in one read)
+    prompts: Callable[[str], Sequence[Prompt]]
     tools: dict[str, Callable[..., str]] = field(default_factory=dict)  # name -> fn(**arguments) -> text
     tool_specs: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function schemas
     max_turns: int = 1  # assistant turns per episode
     agent: AgentSpec | None = None  # an external agent (tasks/agent.py) runs the episodes through the policy service
+    # What the prompts are read from, when that is a data file: its content hash (tasks.data_files.fingerprint),
+    # part of every rollout batch id of the task, so edited data makes new rollouts. "" for generated prompts.
+    data_version: str = ""
     # A visual task's images of a prompt (encoded PNG/JPEG bytes), shown after its question; None: text only.
     # Drawn from the prompt (its metadata) rather than stored in it, so rollouts.metadata stays small.
     images: Callable[[Prompt], list[bytes]] | None = None
@@ -81,7 +89,10 @@ class Task:
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         """The opening messages of an episode: system (with tool instructions) + user. A visual task's user
-        message is OpenAI content parts: the question's text part, then one `image_url` data URL per image."""
+        message is OpenAI content parts: the question's text part, then one `image_url` data URL per image.
+        A prompt that carries its own opening conversation (`Prompt.messages`) opens with that."""
+        if prompt.messages is not None:
+            return [dict(m) for m in prompt.messages]
         return [
             {"role": "system", "content": render_system_prompt(self.system_prompt, self.tool_specs)},
             {"role": "user", "content": self.user_content(prompt)},
@@ -98,15 +109,24 @@ class Task:
 def content_digest(task: Task, prompts: list[Prompt]) -> str:
     """16 hex digits of sha256 over what episodes of `prompts` start from and are judged against: the
     rendered system prompt (tool list included), the tool schemas, the turn limit, and each prompt's
-    id, question and metadata (ground truth), and a visual task's image bytes (so a change to how they are
-    drawn is new content). Part of the rollout batch id, so a data file whose rows change under the same
-    prompt ids yields new rollouts. Tool *code* is not hashed (see ARCHITECTURE.md)."""
+    id, question, metadata (ground truth) and opening messages, a visual task's image bytes (so a change
+    to how they are drawn is new content), and the task's `data_version` (its data file's hash). Part of
+    the rollout batch id, so a data file whose rows change under the same prompt ids yields new rollouts. Tool *code* is not hashed (see ARCHITECTURE.md)."""
     payload = {"system": render_system_prompt(task.system_prompt, task.tool_specs), "tools": task.tool_specs,
                "max_turns": task.max_turns,
-               "prompts": [[p.prompt_id, p.question, p.metadata] for p in prompts]}
+               "prompts": [[p.prompt_id, p.question, p.metadata] + ([list(p.messages)] if p.messages is not None else [])
+                           for p in prompts]}
+    if task.data_version:
+        payload["data"] = task.data_version
     if task.images is not None:
         payload["images"] = [[hashlib.sha256(data).hexdigest() for data in task.images(p)] for p in prompts]
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:16]
+
+
+def pick(prompts: Sequence[Prompt], positions: list[int]) -> list[Prompt]:
+    """`prompts[i]` for each position, in one read where the sequence reads its rows on demand (`take`)."""
+    take = getattr(prompts, "take", None)
+    return take(positions) if take is not None else [prompts[i] for i in positions]
 
 
 def render_system_prompt(system_prompt: str, tool_specs: list[dict[str, Any]]) -> str:
