@@ -266,7 +266,8 @@ def cmd_rewards(args: argparse.Namespace) -> int:
     con = open_views(Settings.from_env(args.workspace)).con
     rel = con.sql(
         "SELECT reward_name, reward_version, count(DISTINCT batch_id) AS batches, count(*) AS rows, "
-        "count(*) FILTER (value IS NULL) AS errors, round(avg(value), 4) AS mean, "
+        "count(*) FILTER (error IS NOT NULL) AS errors, count(*) FILTER (value IS NULL AND error IS NULL) AS not_applicable, "
+        "round(avg(value), 4) AS mean, "
         "min(scored_at) AS first_scored, max(scored_at) AS last_scored, "
         "(SELECT string_agg(DISTINCT c.policy_id, ',') FROM checkpoints c "
         " WHERE c.trained_on->>'reward' = reward_name || '@' || reward_version) AS trained_policies "

@@ -36,93 +36,18 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from os import PathLike
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from rewards.declare import NOT_APPLICABLE, NotApplicable, RewardInfo, group_reward, reward  # noqa: F401 - re-exported
 from rewards.reach import ReachWarning, reach
 from rewards.reach_origin import USER_FILE_MODULE_PREFIX, is_installed_file
 from storage.ids import canonical_json
 from storage.schema import Rollout
 
-F = TypeVar("F", bound=Callable[..., Any])
 MAX_ERROR_CHARS = 500  # an error is a short reason in a Parquet cell, not a log
-
-
-@dataclass(frozen=True)
-class RewardInfo:
-    """What the decorator declares about a reward function."""
-
-    kind: Literal["rollout", "group"]
-    low: float
-    high: float
-    uses: tuple[Any, ...] = ()  # what the version covers beyond what the source's names reach (see `reward`)
-    unversioned: tuple[str, ...] = ()  # operational params (timeouts, cache dirs) that cannot change values
-    tokens: bool = False  # reads token_ids/loss_mask/behavior_logprobs (the score stage loads them only then)
-    files: tuple[str, ...] = ()  # data files whose content is part of the version
-    # Values exist for some rollouts only (people's labels: rewards/human.py): one without is null with the reason,
-    # and the score stage does not count it against `max_error_fraction`.
-    partial: bool = False
-    # (task name, task params, the reward's params) -> problems: what a config check can know about the reward
-    # and its task before any rollout exists (rewards.reasoning_gym: a verifier of another dataset). Not part of
-    # the version: it never changes a value.
-    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None
-
-
-def _declare(
-    kind: Literal["rollout", "group"], low: float, high: float, uses: Sequence[Any], unversioned: Sequence[str],
-    tokens: bool = False, files: Sequence[str | PathLike[str]] = (), partial: bool = False,
-    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
-) -> Callable[[F], F]:
-    if not low <= high:
-        raise ValueError(f"reward range is empty: low={low} > high={high}")
-
-    def mark(fn: F) -> F:
-        # The function itself is returned (not a wrapper), so it stays a plain, callable, testable function.
-        fn.__reward__ = RewardInfo(  # type: ignore[attr-defined]
-            kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files),
-            partial=partial, task_check=task_check,
-        )
-        return fn
-
-    return mark
-
-
-def reward(
-    low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
-    files: Sequence[str | PathLike[str]] = (), partial: bool = False,
-    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
-) -> Callable[[F], F]:
-    """Declare `fn(rollout, **params) -> float | (float, dict)` a reward with values in [low, high].
-
-    The version covers what the function's source reaches by name, found automatically. `uses`: what it
-    depends on that names do not show (code reached through a parameter's methods): functions and
-    classes are walked like helpers, strings and other values hashed as they are. `files`: data files
-    (or folders) the reward reads, whose content is part of the version; a relative path is taken from
-    the folder of the reward's file, so read it as `Path(__file__).parent / name`. `unversioned`: param
-    names that do not affect values (timeouts, cache dirs) and so stay out of the version. `tokens`: the
-    reward reads the token lists (token_ids, loss_mask, behavior_logprobs); rescoring loads them only for
-    such rewards, since turning ~300 token ids per rollout into Python objects would dominate its cost.
-    `partial`: the reward has values for some rollouts only (people's labels); raising on the others makes them
-    null with the reason, which the score stage does not count as failures. `task_check(task_name, task_params,
-    params) -> [problem, ...]`: a mismatch between the reward's params and the run's task that config validation
-    reports before any compute (`task_problems`).
-    """
-    return _declare("rollout", low, high, uses, unversioned, tokens, files, partial, task_check)
-
-
-def group_reward(
-    low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
-    files: Sequence[str | PathLike[str]] = (),
-) -> Callable[[F], F]:
-    """Declare `fn(group: list[Rollout], **params) -> list[float | (float, dict)]` a group reward (a ranker).
-
-    It gets all rollouts of one `group_id` and returns one value per rollout, in the same order.
-    The keywords are those of `reward`.
-    """
-    return _declare("group", low, high, uses, unversioned, tokens, files)
 
 
 class RewardSpec(BaseModel):
@@ -134,6 +59,11 @@ class RewardSpec(BaseModel):
     fn: str  # `pkg.module.function`, `pkg.module:function`, or `path/to/file.py:function`
     params: dict[str, Any] = {}
     weight: float = 1.0  # only used by the weighted total
+    # Whose signature `fn` has: rlops' own (@reward / @group_reward), or a peer's, called through rewards/peers.py:
+    # TRL's `f(prompts, completions, completion_ids, **columns) -> [float | None]` (or a factory of one),
+    # verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`, OpenRLHF's
+    # `reward_func(queries, prompts, labels)`.
+    style: Literal["rlops", "trl", "verl", "openrlhf"] = "rlops"
 
     @model_validator(mode="after")
     def _default_name(self) -> RewardSpec:
@@ -142,18 +72,35 @@ class RewardSpec(BaseModel):
         return self
 
 
+
 @dataclass(frozen=True)
 class Outcome:
-    """The result of one reward on one rollout: a value, or None and the reason in `error`."""
+    """The result of one reward on one rollout: a value, or None and the reason in `error`; None and no error is
+    "not applicable" (`NOT_APPLICABLE`)."""
 
     value: float | None
     details: dict[str, Any] | None = None
     error: str | None = None
     details_json: str | None = field(default=None, compare=False, repr=False)  # `details` encoded by `check`
 
+    @property
+    def applicable(self) -> bool:
+        """False for a rollout the reward does not apply to (a null value that is not an error)."""
+        return self.value is not None or self.error is not None
 
-def load_fn(path: str) -> Callable[..., Any]:
-    """Import a reward function by `pkg.module.fn`, `pkg.module:fn` or `file.py:fn` (ValueError if it is not one)."""
+
+def load_reward(spec: RewardSpec) -> Callable[..., Any]:
+    """The spec's reward as an rlops reward function: its own (`style: rlops`), or a peer's function wrapped by
+    rewards/peers.py. The one place a spec becomes a function (ValueError if it cannot)."""
+    if spec.style == "rlops":
+        return load_fn(spec.fn)
+    from rewards.peers import adapt
+
+    return adapt(import_callable(spec.fn), spec.style, spec.params, spec.fn)
+
+
+def import_callable(path: str) -> Callable[..., Any]:
+    """What `pkg.module.fn`, `pkg.module:fn` or `file.py:fn` names (ValueError if it cannot be imported)."""
     if ":" in path:
         where, attr = path.rsplit(":", 1)
     else:
@@ -166,8 +113,20 @@ def load_fn(path: str) -> Callable[..., Any]:
         fn = getattr(module, attr)
     except (ImportError, AttributeError, FileNotFoundError, ValueError) as e:
         raise ValueError(f"cannot load reward {path!r}: {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"{path!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def load_fn(path: str) -> Callable[..., Any]:
+    """Import an rlops reward function by `pkg.module.fn`, `pkg.module:fn` or `file.py:fn` (ValueError if it is not one)."""
+    fn = import_callable(path)
     if not isinstance(getattr(fn, "__reward__", None), RewardInfo):
-        raise ValueError(f"{path!r} is not declared as a reward: decorate it with @reward(...) or @group_reward(...)")
+        from rewards.peers import guess_style
+
+        style = guess_style(fn)
+        hint = f", or set `style: {style}` (its signature is {style}'s)" if style else ""
+        raise ValueError(f"{path!r} is not declared as a reward: decorate it with @reward(...) or @group_reward(...){hint}")
     return fn
 
 
@@ -248,7 +207,8 @@ def fn_version(fn: Callable[..., Any], params: dict[str, Any]) -> str:
     for message in found.warnings:
         warnings.warn(message, ReachWarning, stacklevel=2)
     versioned = {k: v for k, v in _bound_params(fn, params).items() if k not in decl.unversioned}
-    identity = {"reward": [decl.kind, decl.low, decl.high], "reach": found.fingerprint(), "params": versioned}
+    bounds = [b if math.isfinite(b) else str(b) for b in (decl.low, decl.high)]  # a peer's reward is unbounded
+    identity = {"reward": [decl.kind, *bounds], "reach": found.fingerprint(), "params": versioned}
     try:
         return short_hash(identity)
     except TypeError as e:
@@ -257,26 +217,26 @@ def fn_version(fn: Callable[..., Any], params: dict[str, Any]) -> str:
 
 def reward_version(spec: RewardSpec) -> str:
     """The `reward_version` of a spec (ValueError if the spec cannot be loaded)."""
-    return fn_version(load_fn(spec.fn), spec.params)
+    return fn_version(load_reward(spec), spec.params)
 
 
 def task_problems(spec: RewardSpec, task_name: str, task_params: dict[str, Any]) -> list[str]:
     """What the reward's own `task_check` finds wrong with `spec` on this task (empty without a check)."""
-    check_task = info(load_fn(spec.fn)).task_check
+    check_task = info(load_reward(spec)).task_check
     return [] if check_task is None else check_task(task_name, task_params, spec.params)
 
 
 def fill_params(spec: RewardSpec, **context: Any) -> RewardSpec:
     """A copy of `spec` with each `context` value set where its function takes that param and the spec
     leaves it unset: how the score stage passes workspace context, e.g. `cache_dir=<workspace>/cache/judge`."""
-    accepted = inspect.signature(load_fn(spec.fn)).parameters  # one load: a file reward is executed on each
+    accepted = inspect.signature(load_reward(spec)).parameters  # one load: a file reward is executed on each
     extra = {k: v for k, v in context.items() if k in accepted and k not in spec.params}
     return spec.model_copy(update={"params": {**spec.params, **extra}})
 
 
 def takes(spec: RewardSpec, param: str) -> bool:
     """Whether the spec's function has a parameter named `param` (ValueError if the spec cannot be loaded)."""
-    return param in inspect.signature(load_fn(spec.fn)).parameters
+    return param in inspect.signature(load_reward(spec)).parameters
 
 
 def describe_error(e: BaseException) -> str:
@@ -288,10 +248,14 @@ def describe_error(e: BaseException) -> str:
 def check(result: Any, decl: RewardInfo) -> Outcome:
     """Turn what a reward returned into an Outcome, rejecting non-numbers, NaN/inf and out-of-range values."""
     details = encoded = None
+    if result is NOT_APPLICABLE:
+        return Outcome(None, {"not_applicable": True}, None)
     if isinstance(result, tuple):
         if len(result) != 2 or not isinstance(result[1], dict):
             return Outcome(None, None, f"expected a float or (float, dict), got a tuple of {len(result)}")
         result, details = result
+        if result is NOT_APPLICABLE:
+            return Outcome(None, {**details, "not_applicable": True}, None)
         try:
             encoded = canonical_json(details, strict=True)  # the stage writes details as JSON (DuckDB reads it): find out now, per row
         except (TypeError, ValueError) as e:
@@ -333,7 +297,7 @@ def compute(spec: RewardSpec, rollouts: Sequence[Rollout], *, workers: int = 1) 
     keep several requests in flight; rewards must then be thread-safe (the built-ins are).
     Raises ValueError only if the spec cannot be loaded.
     """
-    fn = load_fn(spec.fn)
+    fn = load_reward(spec)
     decl = info(fn)
     _bound_params(fn, spec.params)  # config errors raise here, not once per rollout
     if decl.kind == "rollout":
@@ -368,9 +332,12 @@ def total_version(specs: Sequence[RewardSpec]) -> str:
 
 
 def weighted_total(specs: Sequence[RewardSpec], components: Sequence[Sequence[Outcome]]) -> list[Outcome]:
-    """Per rollout, sum(weight * value) over the specs; null (with the reason) if any component is null.
+    """Per rollout, sum(weight * value) over the specs; null (with the reason) if any component failed.
 
-    `components[j]` are the outcomes of `specs[j]`, aligned by rollout. Details hold each component value.
+    A component that does not apply to the rollout (`NOT_APPLICABLE`, TRL's None) is left out of the sum, as TRL's
+    `nansum` leaves it out; a rollout no component applies to is not applicable itself (TRL would train on 0 there,
+    with a warning). `components[j]` are the outcomes of `specs[j]`, aligned by rollout. Details hold each
+    component value.
     """
     _check_names(specs)
     if len(components) != len(specs) or len({len(c) for c in components}) > 1:
@@ -378,11 +345,14 @@ def weighted_total(specs: Sequence[RewardSpec], components: Sequence[Sequence[Ou
     out = []
     for row in zip(*components):
         parts = {s.name: o.value for s, o in zip(specs, row)}
-        missing = [name for name, v in parts.items() if v is None]
+        missing = [s.name for s, o in zip(specs, row) if o.value is None and o.applicable]
+        applying = [(s, o) for s, o in zip(specs, row) if o.value is not None]
         if missing:
             out.append(Outcome(None, {"components": parts}, f"component(s) without a value: {', '.join(missing)}"))
+        elif not applying:
+            out.append(Outcome(None, {"components": parts, "not_applicable": True}, None))
         else:
-            total = sum(s.weight * o.value for s, o in zip(specs, row))  # type: ignore[operator]
+            total = sum(s.weight * o.value for s, o in applying)  # type: ignore[operator]
             out.append(Outcome(total, {"components": parts}, None))
     return out
 

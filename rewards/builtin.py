@@ -16,7 +16,7 @@ import re
 import string
 from typing import Any
 
-from rewards.base import reward
+from rewards.declare import reward
 from storage.schema import Message, Rollout
 
 # Integers, decimals, thousands separators and signs: "-1,234.5" -> -1234.5.

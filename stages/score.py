@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from rewards.base import (Outcome, RewardSpec, compute, fill_params, info, load_fn, reward_version, takes, total_version,
+from rewards.base import (Outcome, RewardSpec, compute, fill_params, info, load_reward, reward_version, takes, total_version,
                           weighted_total)
 from stages.cluster import connect, reserve
 from stages.common import CODE_VERSION, ArtifactRef, Operational, StageContext, run_stage
@@ -127,7 +127,7 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
     stats: dict[str, list[float]] = {}  # name -> [count, sum, sum of squares, errors] over all batches
     for (batch_id, _, _, missing, total_missing), (ids, computed) in zip(todo, _outcomes_of(config, ctx, todo, placements)):
         for spec in missing:
-            if not info(load_fn(spec.fn)).partial:  # a partial reward's nulls are rollouts it has no value for
+            if not info(load_reward(spec)).partial:  # a partial reward's nulls are rollouts it has no value for
                 _check_errors(spec.name, computed[spec.name], config.max_error_fraction)
         parts = {s.name: computed[s.name] for s in missing}
         if total_missing:
@@ -171,7 +171,7 @@ def _outcomes_of(config: ScoreConfig, ctx: StageContext, todo: list[_Todo], plac
     workers so the driver writes while they compute; each task's placement is appended to `placements`.
     """
     root = ctx.ws.data.root
-    remote = config.workers > 1 and all(info(load_fn(s.fn)).kind == "rollout" for t in todo for s in t.missing)
+    remote = config.workers > 1 and all(info(load_reward(s)).kind == "rollout" for t in todo for s in t.missing)
     if not remote:
         for t in todo:
             yield score_files(root, t.files, t.missing, workers=config.workers)
@@ -207,10 +207,10 @@ def score_files(data_root: str, files: list[str], specs: list[RewardSpec], worke
     Self-contained (a data root, paths, specs in; plain values out), so it runs the same in the
     driver and in a Ray worker. `workers` > 1 gives group rewards (judges) that many request threads.
     """
-    needs_tokens = any(info(load_fn(s.fn)).tokens for s in specs)
+    needs_tokens = any(info(load_reward(s)).tokens for s in specs)
     with _gc_paused():
         rollouts = _load(DataStore(data_root), files, needs_tokens, rows)
-        computed = {s.name: compute(s, rollouts, workers=workers if info(load_fn(s.fn)).kind == "group" else 1)
+        computed = {s.name: compute(s, rollouts, workers=workers if info(load_reward(s)).kind == "group" else 1)
                     for s in specs}
         return [r.rollout_id for r in rollouts], computed
 
@@ -251,7 +251,7 @@ def _load(data: DataStore, files: list[str], needs_tokens: bool, rows: tuple[int
 
 
 def _check_errors(name: str, outcomes: list[Outcome], max_fraction: float) -> None:
-    errors = [o.error for o in outcomes if o.value is None]
+    errors = [o.error for o in outcomes if o.value is None and o.applicable]  # "not applicable" is no failure
     if outcomes and len(errors) / len(outcomes) > max_fraction:
         common: dict[str, int] = {}
         for e in errors:
@@ -281,7 +281,7 @@ def _write(ctx: StageContext, batch_id: str, vers: dict[str, str], rollout_ids: 
         items.append((pid, table, [batch_id], config_hash({"reward": name, "version": vers[name]}),
                       {"reward_name": name, "reward_version": vers[name]}))
         values = pc.drop_null(table["value"])
-        n_err = table.num_rows - len(values)
+        n_err = table.num_rows - table["error"].null_count  # a null value without an error is "not applicable"
         mean = pc.mean(values).as_py() if len(values) else float("nan")
         std = pc.stddev(values).as_py() if len(values) else float("nan")
         first = next((o.error for o in outcomes if o.error), None)

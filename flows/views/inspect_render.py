@@ -85,7 +85,9 @@ def _ranking_table(episodes: list[Episode], ref: str, columns: list[str]) -> Any
 def _cell(score: Score | None) -> str:
     if score is None:
         return ""
-    return "error" if score.value is None else fmt(score.value)
+    if score.value is None:
+        return "n/a" if score.error is None else "error"  # a null without an error: the reward does not apply
+    return fmt(score.value)
 
 
 def _score_text(score: Score | None) -> Any:
