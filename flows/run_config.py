@@ -162,7 +162,20 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
         problems.extend(e.problems)  # each already names its param: task.params.digits: expected int, ...
     except Exception as e:  # noqa: BLE001 - any failure to build the task is a config problem to report
         problems.append(f"task: cannot load {cfg.task.name!r}: {type(e).__name__}: {e}")
+    from rewards.base import reward_version
+
+    broken = []  # every reward that cannot load, each named, not only the first
+    for spec in cfg.score.rewards:
+        try:
+            reward_version(spec)
+        except Exception as e:  # noqa: BLE001
+            broken.append(spec.name)
+            problems.append(f"score.rewards.{spec.name}: {e}")
+    if task is not None and not broken:
+        problems += column_problems(cfg, task)
     try:
+        if broken:
+            raise _Reported()
         names = set(versions(cfg.score))
         if cfg.reward_name not in names:
             problems.append(f"train_reward: {cfg.reward_name!r} is not one of the score rewards {sorted(names)}")
@@ -170,6 +183,8 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"eval.metric: {cfg.eval.metric!r} is not one of the score rewards {sorted(names)}")
         problems += [f"score.rewards.{spec.name}: {p}" for spec in cfg.score.rewards
                      for p in task_problems(spec, cfg.task.name, cfg.task.params)]
+    except _Reported:
+        pass
     except Exception as e:  # noqa: BLE001
         problems.append(f"score.rewards: {type(e).__name__}: {e}")
     if cfg.sft and cfg.sft.data != "oracle" and not Path(cfg.sft.data).expanduser().exists():
@@ -178,6 +193,28 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
         # Whatever the task asks of the model cannot be checked without it: the folder is the one problem.
         return problems + [f"base_model: folder not found: {cfg.base_model}{_build_hint(cfg.base_model)}"]
     return problems + vision_language_problems(cfg, task)
+
+
+class _Reported(Exception):
+    """A reward that does not load, already reported by name: the checks that need every reward are skipped."""
+
+
+def column_problems(cfg: RunConfig, task: Task) -> list[str]:
+    """A TRL-style reward's required columns (`solution` of `accuracy_reward`) that the task's prompts lack: found
+    now from the first train prompt's metadata, not as an error row per rollout."""
+    from rewards.base import import_callable
+    from rewards.peers import required_columns
+    from tasks.base import pick
+
+    train = task.prompts("train")
+    if not train:
+        return []
+    have = set(pick(train, [0])[0].metadata)
+    return [f"score.rewards.{spec.name}: {spec.fn} needs the column(s) {', '.join(missing)}, which the task's prompts "
+            f"do not have (they have: {', '.join(sorted(have)) or 'none'})"
+            for spec in cfg.score.rewards if spec.style == "trl"
+            for missing in [[c for c in required_columns(import_callable(spec.fn), spec.params) if c not in have]]
+            if missing]
 
 
 def _build_hint(base_model: str) -> str:
