@@ -19,6 +19,8 @@ Each row is one prompt:
   would hand the rewards their completions); `answer` names the ground-truth column (dotted allowed), copied to
   metadata["answer"], which rlops' own rewards (numeric_match, exact_match, rewards.math) read.
 - `id` names an id column; without one a prompt's id is a hash of its prompt, so it is the same in every run.
+- `python_tool: true` gives the agent the sandboxed `python` tool (tasks/python_tool.py), taught in the system
+  message as every rlops tool is; `max_turns` bounds the turns.
 
 verl's layout (`data_source`, `prompt` as messages, `ability`, `reward_model: {style, ground_truth}`, `extra_info`)
 is read as it is: `format: verl`, or found by its columns, sets `answer` to `reward_model.ground_truth`.
@@ -48,7 +50,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage.ids import canonical_json
-from tasks.base import Prompt, Task, TaskParamsError
+from tasks.base import Prompt, Task, TaskParamsError, render_system_prompt
 from tasks.data_files import DataFileError, Rows, fingerprint, open_sources
 
 VERL_COLUMNS = {"data_source", "prompt", "reward_model"}
@@ -69,6 +71,7 @@ def make_task(
     system_prompt: str | None = None,
     template: str | None = None,
     max_turns: int = 1,
+    python_tool: bool = False,
 ) -> Task:
     """Build the task from the data at `path` (or `files`, one path per split); see the module docstring."""
     if (path is None) == (files is None):
@@ -94,7 +97,13 @@ def make_task(
     layout = "verl" if format == "verl" or (format == "auto" and VERL_COLUMNS <= set(first.schema.names)) else "columns"
     if layout == "verl" and answer is None:
         answer = "reward_model.ground_truth"
-    spec = RowSpec(prompt=prompt, answer=answer, id=id, system_prompt=system_prompt, template=template)
+    tools, specs = {}, []
+    if python_tool:  # a code agent: the sandboxed `python` tool (tasks/python_tool.py), taught in the system prompt
+        from tasks.python_tool import SPEC, python
+
+        tools, specs = {"python": python}, [SPEC]
+    spec = RowSpec(prompt=prompt, answer=answer, id=id, system_prompt=system_prompt, template=template,
+                   tool_specs=specs)
     problems = [p for name, rows in sources.items() for p in spec.problems(rows, name, split_column)]
     if problems:
         raise TaskParamsError(problems)
@@ -107,7 +116,7 @@ def make_task(
         return PromptRows(rows, positions, spec.prompt_of)
 
     return Task(name="dataset", system_prompt=system_prompt or "", prompts=prompts, max_turns=max_turns,
-                data_version=version)
+                data_version=version, tools=tools, tool_specs=specs)
 
 
 def fingerprint_all(paths: Any) -> str:
@@ -119,9 +128,9 @@ class RowSpec:
     """How a row becomes a Prompt: which columns hold the prompt, the answer and the id, and the prompt's framing."""
 
     def __init__(self, *, prompt: str, answer: str | None, id: str | None, system_prompt: str | None,  # noqa: A002
-                 template: str | None) -> None:
+                 template: str | None, tool_specs: list[dict[str, Any]]) -> None:
         self.prompt, self.answer, self.id = prompt, answer, id
-        self.system_prompt, self.template = system_prompt, template
+        self.system_prompt, self.template, self.tool_specs = system_prompt, template, tool_specs
 
     def problems(self, rows: Rows, split: str | None, split_column: str | None) -> list[str]:
         """What is wrong with this spec on `rows` (empty, a missing column, a prompt column of the wrong type)."""
@@ -158,12 +167,19 @@ class RowSpec:
             canonical_json(value).encode()).hexdigest()[:12]
         if isinstance(value, str):
             text = value if self.template is None else self.template.format_map({**row, "prompt": value})
-            opening = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
-                {"role": "user", "content": text}]
-            return Prompt(pid, text, {**metadata, "prompt_format": "text"}, tuple(opening))
-        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
-        if self.system_prompt and not any(m["role"] == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
+            messages = [{"role": "user", "content": text}]
+            kind = "text"
+        else:
+            messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+            kind = "messages"
+        system = next((m for m in messages if m["role"] == "system"), None)
+        if system is None and (self.system_prompt or self.tool_specs):
+            system = {"role": "system", "content": self.system_prompt or ""}
+            messages.insert(0, system)
+        if system is not None and self.tool_specs:  # the tools and their call format, as every rlops task teaches them
+            system["content"] = render_system_prompt(system["content"], self.tool_specs).strip()
+        if kind == "text":
+            return Prompt(pid, text, {**metadata, "prompt_format": "text"}, tuple(messages))
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return Prompt(pid, question, {**metadata, "prompt_format": "messages"}, tuple(messages))
 

@@ -5,7 +5,7 @@ counts, wherever it stands: at module level, inside a function, or under `if TYP
 type-only import still ties two modules together for a reader and for the next refactoring).
 
 - No cycles between modules: an SCC of the import graph with more than one module fails, named.
-- Layers (docs/ARCHITECTURE.md): flows -> stages -> (tasks, rewards) -> storage. tasks and rewards do
+- Layers (docs/ARCHITECTURE.md): flows -> stages -> (tasks, rewards) -> storage -> sandbox. tasks and rewards do
   not import each other. Inside stages/, the rooms (policy/, service/, update/) never import the five
   stage modules; policy/ imports neither service/ nor update/, and service/ and update/ not each other.
 - No .py file of the repository over 400 lines (tests and bench included; STYLE.md: split by concern).
@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("flows", "stages", "rewards", "storage", "tasks")
-LAYER = {"storage": 0, "tasks": 1, "rewards": 1, "stages": 2, "flows": 3}
+PACKAGES = ("flows", "stages", "rewards", "storage", "tasks", "sandbox")
+# sandbox/ sits below everything: rewards (rewards.code) and tasks (the python tool) use it, it imports nothing of rlops
+LAYER = {"sandbox": -1, "storage": 0, "tasks": 1, "rewards": 1, "stages": 2, "flows": 3}
 STAGES = {f"stages.{name}" for name in ("sft", "rollout", "score", "grpo", "evaluate")}
 ROOMS = ("stages.policy", "stages.service", "stages.update")
 MAX_LINES = 400
