@@ -19,6 +19,7 @@ import atexit
 import functools
 import json
 import os
+import pwd
 import queue
 import subprocess
 import sys
@@ -83,10 +84,21 @@ def tests_of(*, asserts: list[str] | None = None, check: str | None = None, entr
 
 
 def default_hidden(extra: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
-    """What executions never see: the home folder, the current folder (a repository, a workspace), the temp
-    folders, the other world-writable places, and `extra`."""
-    return [str(Path.home()), os.getcwd(), tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm", "/run", "/work",
-            "/srv", "/mnt", "/media", "/opt", *map(str, extra)]
+    """What executions never see: the home folder ($HOME and the account's own), the current folder (a repository,
+    a workspace), the temp folders, the other world-writable places, and `extra`."""
+    return [str(Path.home()), pwd.getpwuid(os.getuid()).pw_dir, os.getcwd(), tempfile.gettempdir(), "/tmp",
+            "/var/tmp", "/dev/shm", "/run", "/work", "/srv", "/mnt", "/media", "/opt", *map(str, extra)]
+
+
+def closed_ancestors(paths: Iterable[str]) -> list[str]:
+    """The folders above `paths` that other uids cannot pass through (a 0700 home holding Python's standard
+    library): covered too, so that the kept paths, put back inside the cover, are reachable by the program's uid."""
+    out = []
+    for path in paths:
+        for parent in Path(path).parents:
+            if str(parent) != "/" and not parent.stat().st_mode & 0o001:
+                out.append(str(parent))
+    return out
 
 
 class Sandbox:
@@ -98,8 +110,8 @@ class Sandbox:
                                      "PID namespaces and a uid of its own; run the scoring stage as root")
         self.uid = FIRST_UID + (os.getpid() % 500) * 8 + slot % 8  # distinct per template of a process
         keep = sorted({str(Path(os.__file__).parent), _dynload()})  # the standard library, not a venv's packages
-        config = {"hide": list(hidden if hidden is not None else default_hidden()), "keep": keep, "tmp_mb": tmp_mb,
-                  "uid": self.uid}
+        hide = list(hidden if hidden is not None else default_hidden()) + closed_ancestors(keep)
+        config = {"hide": hide, "keep": keep, "tmp_mb": tmp_mb, "uid": self.uid}
         code = f"import sys; sys.path.insert(0, {PACKAGE_PARENT!r}); from sandbox.server import main; main()"
         self.proc = subprocess.Popen([sys.executable, "-I", "-c", code, json.dumps(config)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
