@@ -43,12 +43,32 @@ def _with(**changes):
     return data
 
 
+# Configs whose data files an example script writes: the script, its size flags, and the overrides pointing there.
+MADE_DATA = {
+    "dataset_math.yaml": ("examples/dataset_math/make_dataset.py", ["--train", "20", "--test", "5", "--sft", "4"],
+                          lambda out: [f"task.params.files={{train: {out}/train.parquet, test: {out}/test.parquet}}",
+                                       f"sft.data={out}/sft.jsonl"]),
+    "code.yaml": ("examples/code/make_dataset.py", ["--train", "20", "--test", "5"],
+                  lambda out: [f"task.params.files={{train: {out}/train.jsonl, test: {out}/test.jsonl}}"]),
+}
+
+
+def made_data(config: str, out: Path) -> list[str]:
+    """Run the example script that writes `config`'s data into `out`; the overrides that point the config there."""
+    script, flags, overrides = MADE_DATA[config]
+    subprocess.run([sys.executable, script, "--out", str(out), *flags], check=True, capture_output=True)
+    return overrides(out)
+
+
 def test_the_shipped_configs_and_a_minimal_one_are_valid(tmp_path, tiny_vlm_dir):
     # visual.yaml names the user's VLM folder, visual_learn.yaml the one `make small-vlm` builds in $RLOPS_CACHE:
     # both are checked with a stand-in folder, and with none each names the folder (and what builds it).
     visual = {"visual.yaml", "visual_learn.yaml"}
     for path in Path("configs").glob("*.yaml"):
-        load_run_config(path, [f"base_model={tiny_vlm_dir}"] if path.name in visual else [])
+        overrides = [f"base_model={tiny_vlm_dir}"] if path.name in visual else []
+        if path.name in MADE_DATA:  # data an example script writes (gitignored): made here, as a user would
+            overrides += made_data(path.name, tmp_path / path.stem)
+        load_run_config(path, overrides)
     with pytest.raises(ConfigError, match=r"\(1 problem\):\n  - base_model: folder not found: ./models/your-vlm$"):
         load_run_config("configs/visual.yaml")
     cache = Path(os.environ["RLOPS_CACHE"])  # the suite's own (tests/conftest.py): `make small-vlm` never ran there
