@@ -130,9 +130,9 @@ class CallLog:
         self.calls: list[dict[str, Any]] = []
         orig = self.client.complete
 
-        def complete(messages: list[dict[str, Any]]) -> Any:
+        def complete(messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None) -> Any:
             t0 = time.perf_counter()
-            out = orig(messages)
+            out = orig(messages, response_format=response_format)
             self.calls.append({"seconds": time.perf_counter() - t0, "prompt_tokens": out.prompt_tokens,
                                "completion_tokens": out.completion_tokens, "reply": out.content})
             return out

@@ -34,6 +34,7 @@ class Completion:
     content: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    schema_bound: bool = False  # the request carried a JSON schema the server accepted (its reply follows it)
 
 
 class ChatClient(Protocol):
@@ -41,7 +42,7 @@ class ChatClient(Protocol):
 
     model: str
 
-    def complete(self, messages: list[dict[str, Any]]) -> Completion: ...
+    def complete(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None) -> Completion: ...
 
 
 def scrub(text: str, secrets: list[str]) -> str:
@@ -86,13 +87,19 @@ class OpenAIClient:
             "temperature": temperature,
             "max_tokens": max_tokens,
         }
+        self._schemas = True  # per-request JSON schemas, until a server refuses one
 
-    def complete(self, messages: list[dict[str, Any]]) -> Completion:
-        """Send one chat request, retrying transient failures; JudgeError (key-free) when it cannot succeed."""
+    def complete(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None) -> Completion:
+        """Send one chat request, retrying transient failures; JudgeError (key-free) when it cannot succeed.
+        `response_format` (a json_schema) binds the reply where the server takes it; a server that refuses it
+        (a 400 naming response_format) is asked without it from then on (the Completion says which)."""
         attempt = 0
         while True:
             body: dict[str, Any] = {"model": self.model, "messages": messages}
             body.update((k, v) for k, v in self._optional.items() if v is not None)
+            bound = response_format is not None and self._schemas
+            if bound:
+                body["response_format"] = response_format
             try:
                 with self._slots:
                     resp = self._http.post(self._url, json=body)
@@ -100,8 +107,12 @@ class OpenAIClient:
                 reason, retry_after = f"{type(e).__name__}: {e}", None
             else:
                 if resp.status_code == 200:
-                    return self._parse(resp)
+                    return self._parse(resp, bound)
                 text = resp.text[:300]
+                if resp.status_code == 400 and bound and "response_format" in text:
+                    log.info("judge server refuses JSON schemas; asking without them (replies are validated)")
+                    self._schemas = False
+                    continue
                 rejected = [k for k in body if k in self._optional and k in text]
                 if resp.status_code == 400 and rejected:
                     # The prompt itself asks for JSON, so the judge still works without these fields.
@@ -119,14 +130,15 @@ class OpenAIClient:
             time.sleep(delay)
             attempt += 1
 
-    def _parse(self, resp: httpx.Response) -> Completion:
+    def _parse(self, resp: httpx.Response, bound: bool) -> Completion:
         try:
             data = resp.json()
             content = data["choices"][0]["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise JudgeError(self.scrub(f"not a chat-completions response ({type(e).__name__}): {resp.text[:300]}")) from None
         usage = data.get("usage") or {}
-        return Completion(content, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        return Completion(content, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                          schema_bound=bound)
 
     def scrub(self, text: str) -> str:
         """`text` without this client's API key."""
@@ -155,8 +167,9 @@ class TransformersClient:
         self._max_new_tokens = max_new_tokens
         self._lock = threading.Lock()  # one generate at a time: the model is not shared-state safe
 
-    def complete(self, messages: list[dict[str, Any]]) -> Completion:
-        """Generate one reply to `messages` with the tokenizer's chat template."""
+    def complete(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None) -> Completion:
+        """Generate one reply to `messages` with the tokenizer's chat template (unconstrained: a
+        `response_format` is not applied here, and the Completion says so)."""
         enc = self._tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         enc = {k: v.to(self._lm.device) for k, v in enc.items()}
         prompt_len = enc["input_ids"].shape[1]

@@ -49,6 +49,16 @@ Grading standards:
 Reply with only a JSON object, one entry per trajectory, using the trajectory ids as given:
 {{"scores": [{{"id": "1", "score": 0.0, "explanation": "one or two sentences"}}, ...]}}"""
 
+REFERENCE = """\
+
+A reference answer for this goal is given in <reference>: a trajectory whose outcome agrees with it achieves \
+the goal; one that contradicts it does not."""
+
+EXPLANATION_CHARS = 200  # an explanation's bound in the verdict schema: enough for a reason, not for an essay
+# The scores a bound verdict may give: [0, 1] in steps of 0.05. A number type alone would let a constrained judge
+# write digits without end (a small model does: 0.0000...); permutations average to finer values.
+SCORE_GRID = [round(i / 20, 2) for i in range(21)]
+
 CORRECTION = """\
 Your reply could not be used: {reason}
 Reply again with only a JSON object of the form {{"scores": [{{"id": ..., "score": ..., "explanation": ...}}]}} \
@@ -63,6 +73,7 @@ class JudgeScore:
     score: float
     explanation: str
     scores: tuple[float, ...] = ()  # one per permutation, in permutation order
+    schema_bound: bool = False  # every verdict behind it was bound to the verdict schema (else: validated only)
 
 
 @dataclass
@@ -90,15 +101,34 @@ def common_prefix_len(trajectories: Sequence[list[dict[str, Any]]]) -> int:
     return max(n, 0)
 
 
-def judge_messages(prefix: list[dict[str, Any]], bodies: Sequence[list[dict[str, Any]]], rubric: str) -> list[dict[str, Any]]:
-    """The judge request: instructions + rubric, then the shared context once and the trajectories labelled 1..n."""
+def judge_messages(prefix: list[dict[str, Any]], bodies: Sequence[list[dict[str, Any]]], rubric: str,
+                   reference: str | None = None) -> list[dict[str, Any]]:
+    """The judge request: instructions + rubric, then the reference answer when given, the shared context once and
+    the trajectories labelled 1..n."""
     text = ""
+    if reference is not None:
+        text += f"<reference>\n{reference}\n</reference>\n\n"
     if prefix:
         text += "<context>\n" + json.dumps(prefix, ensure_ascii=False) + "\n</context>\n\n"
     text += "Trajectories:\n\n" + "\n\n".join(
         f'<trajectory id="{i}">\n{json.dumps(body, ensure_ascii=False)}\n</trajectory>' for i, body in enumerate(bodies, 1)
     )
-    return [{"role": "system", "content": INSTRUCTIONS.format(rubric=rubric)}, {"role": "user", "content": text}]
+    system = INSTRUCTIONS.format(rubric=rubric) + (REFERENCE if reference is not None else "")
+    return [{"role": "system", "content": system}, {"role": "user", "content": text}]
+
+
+def verdict_format(n: int, explanation_chars: int = EXPLANATION_CHARS) -> dict[str, Any]:
+    """The `response_format` that binds a reply to this group's verdicts: exactly the ids "1".."n" in order, each
+    a score in [0, 1] (on SCORE_GRID) and an optional bounded explanation (OpenAI's, vLLM's and `rlops serve`'s
+    json_schema)."""
+    entry = lambda i: {  # noqa: E731
+        "type": "object", "additionalProperties": False, "required": ["id", "score"],
+        "properties": {"id": {"const": str(i)}, "explanation": {"type": "string", "maxLength": explanation_chars},
+                       "score": {"enum": SCORE_GRID}}}
+    schema = {"type": "object", "additionalProperties": False, "required": ["scores"],
+              "properties": {"scores": {"type": "array", "minItems": n, "maxItems": n, "items": False,
+                                        "prefixItems": [entry(i) for i in range(1, n + 1)]}}}
+    return {"type": "json_schema", "json_schema": {"name": "verdicts", "strict": True, "schema": schema}}
 
 
 def _scores_list(value: Any) -> list[Any] | None:
@@ -166,9 +196,10 @@ def _cache_file(cache_dir: Path, key: str) -> Path:
     return cache_dir / key[:2] / f"{key}.json"
 
 
-def _cache_read(path: Path) -> list[tuple[float, str]] | None:
+def _cache_read(path: Path) -> tuple[list[tuple[float, str]], bool] | None:
     try:
-        return [(float(s), str(e)) for s, e in json.loads(path.read_text())["scores"]]
+        record = json.loads(path.read_text())
+        return [(float(s), str(e)) for s, e in record["scores"]], bool(record.get("schema_bound", False))
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None  # a missing (or hand-damaged) entry is a miss: ask the judge again
 
@@ -179,12 +210,14 @@ def _cache_write(path: Path, record: dict[str, Any]) -> None:
 
 
 def _judge(
-    client: ChatClient, messages: list[dict[str, Any]], n: int, key: str, cache_dir: Path | None
-) -> tuple[list[tuple[float, str]], list[Completion], bool]:
-    """Scores for one presentation (from the cache, or the judge with one correction retry)."""
+    client: ChatClient, messages: list[dict[str, Any]], n: int, key: str, cache_dir: Path | None, schema: bool = True
+) -> tuple[list[tuple[float, str]], list[Completion], bool, bool]:
+    """Scores for one presentation (from the cache, or the judge with one correction retry), the completions
+    asked for, whether it was a cache hit, and whether the verdict was bound to the schema."""
     if cache_dir is not None and (hit := _cache_read(_cache_file(cache_dir, key))) is not None:
-        return hit, [], True
-    first = client.complete(messages)
+        return hit[0], [], True, hit[1]
+    fmt = verdict_format(n) if schema else None
+    first = client.complete(messages, response_format=fmt)
     try:
         scores, completions = parse_scores(first.content, n), [first]
     except ValueError as e:
@@ -192,15 +225,17 @@ def _judge(
             {"role": "assistant", "content": first.content},
             {"role": "user", "content": CORRECTION.format(reason=e, ids=", ".join(str(i) for i in range(1, n + 1)))},
         ]
-        second = client.complete(retry)
+        second = client.complete(retry, response_format=fmt)
         try:
             scores, completions = parse_scores(second.content, n), [first, second]
         except ValueError as e2:
             raise JudgeError(f"judge output invalid after one retry: {e2}") from None
+    bound = completions[-1].schema_bound
     if cache_dir is not None:
         reply = completions[-1].content  # kept for audits: what the judge actually said
-        _cache_write(_cache_file(cache_dir, key), {"model": client.model, "key": key, "scores": scores, "reply": reply})
-    return scores, completions, False
+        _cache_write(_cache_file(cache_dir, key), {"model": client.model, "key": key, "scores": scores, "reply": reply,
+                                                   "schema_bound": bound})
+    return scores, completions, False, bound
 
 
 def rank(
@@ -213,10 +248,14 @@ def rank(
     seed: int = 0,
     cache_dir: str | Path | None = None,
     usage: Usage | None = None,
+    schema: bool = True,
+    reference: str | None = None,
 ) -> list[JudgeScore]:
     """Score a group of trajectories (OpenAI-style message lists) relative to each other.
 
     Returns one JudgeScore per trajectory, in input order, with `ids[i]` (default "1".."n") as id.
+    `schema`: bind the reply to `verdict_format` (where the server takes it; validated either way).
+    `reference`: a reference answer the judge sees (reference-guided grading).
     Raises JudgeError if the judge fails or answers invalidly twice for any permutation.
     `usage`, if given, is increased by what this call cost.
     """
@@ -231,11 +270,11 @@ def rank(
     group_key = hashlib.sha256(canonical_json([prefix, bodies]).encode()).hexdigest()
     cache = Path(cache_dir) if cache_dir is not None else None
 
-    def one(order: list[int]) -> tuple[list[tuple[float, str]], list[Completion], bool]:
-        messages = judge_messages(prefix, [bodies[i] for i in order], rubric)
+    def one(order: list[int]) -> tuple[list[tuple[float, str]], list[Completion], bool, bool]:
+        messages = judge_messages(prefix, [bodies[i] for i in order], rubric, reference)
         key_fields = {"model": client.model, "rubric": rubric, "messages": messages, "order": order}
         key = hashlib.sha256(canonical_json(key_fields).encode()).hexdigest()
-        return _judge(client, messages, n, key, cache)
+        return _judge(client, messages, n, key, cache, schema)
 
     plan = orders(n, permutations, f"{seed}:{group_key}")
     if permutations > 1:
@@ -245,7 +284,8 @@ def rank(
         results = [one(plan[0])]
 
     per_traj: list[list[tuple[float, str]]] = [[] for _ in range(n)]
-    for order, (scores, completions, cached) in zip(plan, results):
+    bound = all(r[3] for r in results)
+    for order, (scores, completions, cached, _) in zip(plan, results):
         if usage is not None:
             usage.add(completions, cached)
         for position, traj in enumerate(order):
@@ -257,6 +297,7 @@ def rank(
             score=sum(s for s, _ in got) / len(got),
             explanation=" | ".join(e for _, e in got),
             scores=tuple(s for s, _ in got),
+            schema_bound=bound,
         )
         for i, got in enumerate(per_traj)
     ]
@@ -320,8 +361,15 @@ def ruler_reward(
     concurrency: int = 4,
     backoff: float = 1.0,
     cache_dir: str | None = None,
+    schema: bool = True,
+    reference: bool | str = False,
 ) -> list[tuple[float, dict[str, Any]]]:
     """RULER score of each rollout of one group, with the judge's explanation in details.
+
+    schema: bind the judge's reply to the group's verdict schema (`verdict_format`: the ids, scores in [0, 1],
+    bounded explanations) where the endpoint takes `response_format: json_schema`; an endpoint that refuses it is
+    asked without, and its reply validated (details.verdict_format says which). reference: show the judge the
+    prompt's ground truth, `metadata["answer"]` (True) or `metadata[reference]` (a key): reference-guided grading.
 
     backend: `openai` (any OpenAI-compatible server at `base_url`) or `transformers` (`model` is a local
     folder or hub id). max_tokens: the judge's reply limit (None: the server's default; 1024 locally).
@@ -333,6 +381,9 @@ def ruler_reward(
                                          max_retries=max_retries, concurrency=concurrency, backoff=backoff,
                                          max_tokens=max_tokens))
         usage = Usage()
+        key = ("answer" if reference is True else reference) or None
+        if key is not None and key not in group[0].metadata:
+            raise KeyError(f"reference: the rollouts' metadata has no {key!r} (it has: {', '.join(group[0].metadata)})")
         ranked = rank(
             [[m.to_openai() for m in r.messages] for r in group],
             rubric,
@@ -342,6 +393,8 @@ def ruler_reward(
             seed=seed,
             cache_dir=cache_dir,
             usage=usage,
+            schema=schema,
+            reference=None if key is None else str(group[0].metadata[key]),
         )
     except Exception as e:
         # Whatever failed, its text is recorded in every row of the group: make sure the key is not in it.
@@ -349,6 +402,8 @@ def ruler_reward(
         raise JudgeError(scrub(text, [os.environ.get(api_key_env or "", "")])) from None
     group_usage = asdict(usage)  # the whole group's cost, repeated on each of its rows
     return [
-        (s.score, {"explanation": s.explanation, "permutation_scores": list(s.scores), "judge_model": model, "group_usage": group_usage})
+        (s.score, {"explanation": s.explanation, "permutation_scores": list(s.scores), "judge_model": model,
+                   "group_usage": group_usage, "verdict_format": "json_schema" if s.schema_bound else "validated",
+                   **({"reference": key} if key is not None else {})})
         for s in ranked
     ]

@@ -13,7 +13,7 @@ import pytest
 
 from rewards.base import RewardSpec, compute
 from rewards.judge_client import OpenAIClient
-from rewards.ruler import DEFAULT_RUBRIC, Usage, common_prefix_len, orders, rank
+from rewards.ruler import DEFAULT_RUBRIC, Usage, common_prefix_len, orders, rank, verdict_format
 from storage.schema import Message
 
 FAKE_KEY = "sk-test-0123456789abcdef-SECRET"
@@ -57,7 +57,8 @@ def test_valid_scores(judge_server, make_rollout) -> None:
     [request] = judge_server.requests  # one request for the whole group
     body = request["body"]
     assert request["path"] == "/v1/chat/completions"
-    assert body["model"] == "judge-model" and body["response_format"] == {"type": "json_object"}
+    assert body["model"] == "judge-model" and body["response_format"] == verdict_format(3)  # bound to the ids
+    assert outs[0].details["verdict_format"] == "json_schema"
     assert DEFAULT_RUBRIC in body["messages"][0]["content"]
     user = body["messages"][1]["content"]
     assert user.count("What is 40 + 42?") == 1  # the shared prefix is sent once, as context
@@ -167,7 +168,11 @@ def test_json_mode_falls_back_when_unsupported(judge_server, make_rollout) -> No
 
     judge_server.respond = respond
     outs = compute(judge_spec(judge_server), group(make_rollout, ["82", "81"]))
-    assert [o.value for o in outs] == [1.0, 0.0] and len(judge_server.requests) == 2
+    # refused: the verdict schema, then JSON mode; the third request is answered and its reply validated
+    assert [o.value for o in outs] == [1.0, 0.0] and len(judge_server.requests) == 3
+    assert judge_server.requests[0]["body"]["response_format"]["type"] == "json_schema"
+    assert judge_server.requests[1]["body"]["response_format"] == {"type": "json_object"}
+    assert outs[0].details["verdict_format"] == "validated"
 
 
 @pytest.mark.parametrize("n, k", [(2, 2), (3, 3), (4, 4), (4, 8)])
