@@ -171,32 +171,25 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
         except Exception as e:  # noqa: BLE001
             broken.append(spec.name)
             problems.append(f"score.rewards.{spec.name}: {e}")
-    if task is not None and not broken:
-        problems += column_problems(cfg, task)
-    try:
-        if broken:
-            raise _Reported()
-        names = set(versions(cfg.score))
-        if cfg.reward_name not in names:
-            problems.append(f"train_reward: {cfg.reward_name!r} is not one of the score rewards {sorted(names)}")
-        if cfg.eval.metric and cfg.eval.metric not in names:
-            problems.append(f"eval.metric: {cfg.eval.metric!r} is not one of the score rewards {sorted(names)}")
-        problems += [f"score.rewards.{spec.name}: {p}" for spec in cfg.score.rewards
-                     for p in task_problems(spec, cfg.task.name, cfg.task.params)]
-    except _Reported:
-        pass
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"score.rewards: {type(e).__name__}: {e}")
+    if not broken:  # the checks that need every reward loaded
+        if task is not None:
+            problems += column_problems(cfg, task)
+        try:
+            names = set(versions(cfg.score))
+            if cfg.reward_name not in names:
+                problems.append(f"train_reward: {cfg.reward_name!r} is not one of the score rewards {sorted(names)}")
+            if cfg.eval.metric and cfg.eval.metric not in names:
+                problems.append(f"eval.metric: {cfg.eval.metric!r} is not one of the score rewards {sorted(names)}")
+            problems += [f"score.rewards.{spec.name}: {p}" for spec in cfg.score.rewards
+                         for p in task_problems(spec, cfg.task.name, cfg.task.params)]
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"score.rewards: {type(e).__name__}: {e}")
     if cfg.sft and cfg.sft.data != "oracle" and not Path(cfg.sft.data).expanduser().exists():
         problems.append(f"sft.data: file not found: {cfg.sft.data}")
     if cfg.base_model != DEFAULT_MODEL and cfg.base_model.startswith((".", "/", "~")) and not Path(cfg.base_model).expanduser().exists():
         # Whatever the task asks of the model cannot be checked without it: the folder is the one problem.
         return problems + [f"base_model: folder not found: {cfg.base_model}{_build_hint(cfg.base_model)}"]
     return problems + vision_language_problems(cfg, task)
-
-
-class _Reported(Exception):
-    """A reward that does not load, already reported by name: the checks that need every reward are skipped."""
 
 
 def column_problems(cfg: RunConfig, task: Task) -> list[str]:
