@@ -47,10 +47,15 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 @command("model")
 def cmd_model(args: argparse.Namespace) -> int:
-    from stages.policy.model import prepare_default_model
+    from stages.policy.model import fingerprint, prepare_model
 
-    path = prepare_default_model()
-    print(json.dumps({"model_dir": str(path)}) if args.json else path)
+    try:
+        path = prepare_model(args.source, args.name)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    digest = fingerprint(str(path))
+    print(json.dumps({"model_dir": str(path), "fingerprint": digest}) if args.json else f"{path}\nfingerprint {digest}")
     return 0
 
 
@@ -93,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before the query is interrupted")
 
     p = sub.add_parser("model", parents=[common], help="manage base models")
-    p.add_argument("action", choices=["prepare"], help="prepare: convert the default SmolLM2-135M-Instruct once into the cache")
+    p.add_argument("action", choices=["prepare"], help="prepare: a model as a transformers folder (for a policy or a "
+                   "judge), converted or downloaded once into the cache; prints its folder and fingerprint")
+    p.add_argument("source", nargs="?", help="a .gguf file, a local folder or a hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--name", help="the cache folder's name for a converted or downloaded model (default: from SOURCE)")
 
     p = sub.add_parser("ls", parents=[common], help="list runs, checkpoints or artifact batches")
     p.add_argument("what", choices=sorted(LS_QUERIES))

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from rewards.declare import NOT_APPLICABLE, NotApplicable, RewardInfo, group_reward, reward  # noqa: F401 - re-exported
 from rewards.reach import ReachWarning, reach
-from rewards.reach_origin import USER_FILE_MODULE_PREFIX, is_installed_file
+from rewards.reach_origin import USER_FILE_MODULE_PREFIX, is_installed_file, local_path, path_content_hash
 from storage.ids import canonical_json
 from storage.schema import Rollout
 
@@ -207,6 +207,9 @@ def fn_version(fn: Callable[..., Any], params: dict[str, Any]) -> str:
     for message in found.warnings:
         warnings.warn(message, ReachWarning, stacklevel=2)
     versioned = {k: v for k, v in _bound_params(fn, params).items() if k not in decl.unversioned}
+    for name in decl.content:
+        if isinstance(versioned.get(name), str) and (path := local_path(versioned[name])) is not None:
+            versioned[name] = {"path": versioned[name], "content": path_content_hash(path)}
     bounds = [b if math.isfinite(b) else str(b) for b in (decl.low, decl.high)]  # a peer's reward is unbounded
     identity = {"reward": [decl.kind, *bounds], "reach": found.fingerprint(), "params": versioned}
     try:

@@ -26,6 +26,8 @@ class RewardInfo:
     unversioned: tuple[str, ...] = ()  # operational params (timeouts, cache dirs) that cannot change values
     tokens: bool = False  # reads token_ids/loss_mask/behavior_logprobs (the score stage loads them only then)
     files: tuple[str, ...] = ()  # data files whose content is part of the version
+    # Params naming a local file or folder (a judge's weights) whose content, not the name, is part of the version.
+    content: tuple[str, ...] = ()
     # Values exist for some rollouts only (people's labels: rewards/human.py): one without is null with the reason,
     # and the score stage does not count it against `max_error_fraction`.
     partial: bool = False
@@ -38,7 +40,7 @@ class RewardInfo:
 def _declare(
     kind: Literal["rollout", "group"], low: float, high: float, uses: Sequence[Any], unversioned: Sequence[str],
     tokens: bool = False, files: Sequence[str | PathLike[str]] = (), partial: bool = False,
-    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
+    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None, content: Sequence[str] = (),
 ) -> Callable[[F], F]:
     if not low <= high:
         raise ValueError(f"reward range is empty: low={low} > high={high}")
@@ -47,7 +49,7 @@ def _declare(
         # The function itself is returned (not a wrapper), so it stays a plain, callable, testable function.
         fn.__reward__ = RewardInfo(  # type: ignore[attr-defined]
             kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files),
-            partial=partial, task_check=task_check,
+            partial=partial, task_check=task_check, content=tuple(content),
         )
         return fn
 
@@ -79,14 +81,15 @@ def reward(
 
 def group_reward(
     low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
-    files: Sequence[str | PathLike[str]] = (),
+    files: Sequence[str | PathLike[str]] = (), content: Sequence[str] = (),
 ) -> Callable[[F], F]:
     """Declare `fn(group: list[Rollout], **params) -> list[float | (float, dict)]` a group reward (a ranker).
 
     It gets all rollouts of one `group_id` and returns one value per rollout, in the same order.
-    The keywords are those of `reward`.
+    The keywords are those of `reward`, and `content`: param names whose value, where it names a local file or
+    folder (a judge's weights; `$RLOPS_CACHE/...` expanded), is versioned by that content instead of its text.
     """
-    return _declare("group", low, high, uses, unversioned, tokens, files)
+    return _declare("group", low, high, uses, unversioned, tokens, files, content=content)
 
 
 class NotApplicable:

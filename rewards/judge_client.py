@@ -1,6 +1,8 @@
 """Judge backends: an OpenAI-compatible chat-completions client over HTTP, and a local transformers model.
 
-Both expose `model` (part of the judge cache key) and `complete(messages) -> Completion`.
+Both expose `model` (part of the judge cache key), `complete(messages) -> Completion` (a generated reply) and
+`first_token(messages) -> Completion` (no reply: the judge's log-probabilities for its first token, read by the
+pointwise and pairwise modes, rewards/judge_modes.py).
 The HTTP client bounds requests in flight with a semaphore, retries 429/5xx/timeouts with
 exponential backoff, asks for JSON output when the server supports it, and never lets the API key
 reach an exception, a log line or a returned text (`scrub`).
@@ -35,6 +37,7 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     schema_bound: bool = False  # the request carried a JSON schema the server accepted (its reply follows it)
+    top: tuple[tuple[str, float], ...] = ()  # first_token: (token text, log-prob) of the first token's candidates
 
 
 class ChatClient(Protocol):
@@ -43,6 +46,9 @@ class ChatClient(Protocol):
     model: str
 
     def complete(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None) -> Completion: ...
+
+    def first_token(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None,
+                    choices: tuple[str, ...] = ()) -> Completion: ...
 
 
 def scrub(text: str, secrets: list[str]) -> str:
@@ -93,10 +99,22 @@ class OpenAIClient:
         """Send one chat request, retrying transient failures; JudgeError (key-free) when it cannot succeed.
         `response_format` (a json_schema) binds the reply where the server takes it; a server that refuses it
         (a 400 naming response_format) is asked without it from then on (the Completion says which)."""
+        return self._send(messages, response_format, {})
+
+    def first_token(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None,
+                    choices: tuple[str, ...] = ()) -> Completion:
+        """The judge's 20 most likely first tokens with their log-probs (`max_tokens: 1`, `logprobs`,
+        `top_logprobs: 20`): one prefill, no reply. Under a `response_format` the server binds, they are the bound
+        distribution's (rlops serve; vLLM reports the model's own). `choices` is for local backends (ignored)."""
+        return self._send(messages, response_format, {"max_tokens": 1, "logprobs": True, "top_logprobs": 20})
+
+    def _send(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None,
+              fixed: dict[str, Any]) -> Completion:
         attempt = 0
         while True:
             body: dict[str, Any] = {"model": self.model, "messages": messages}
             body.update((k, v) for k, v in self._optional.items() if v is not None)
+            body.update(fixed)
             bound = response_format is not None and self._schemas
             if bound:
                 body["response_format"] = response_format
@@ -107,12 +125,15 @@ class OpenAIClient:
                 reason, retry_after = f"{type(e).__name__}: {e}", None
             else:
                 if resp.status_code == 200:
-                    return self._parse(resp, bound)
+                    return self._parse(resp, bound, top="logprobs" in fixed)
                 text = resp.text[:300]
                 if resp.status_code == 400 and bound and "response_format" in text:
                     log.info("judge server refuses JSON schemas; asking without them (replies are validated)")
                     self._schemas = False
                     continue
+                if resp.status_code == 400 and fixed and "logprobs" in text:
+                    raise JudgeError(self.scrub(f"the judge server does not give first-token log-probs (the yes_no, "
+                                                f"scale and pairwise modes read them; use mode: ranking): {text}"))
                 rejected = [k for k in body if k in self._optional and k in text]
                 if resp.status_code == 400 and rejected:
                     # The prompt itself asks for JSON, so the judge still works without these fields.
@@ -130,15 +151,22 @@ class OpenAIClient:
             time.sleep(delay)
             attempt += 1
 
-    def _parse(self, resp: httpx.Response, bound: bool) -> Completion:
+    def _parse(self, resp: httpx.Response, bound: bool, top: bool = False) -> Completion:
         try:
             data = resp.json()
-            content = data["choices"][0]["message"]["content"] or ""
+            choice = data["choices"][0]
+            content = choice["message"]["content"] or ""
+            first = choice["logprobs"]["content"][0] if top else {}
+            alternatives = [(str(a["token"]), float(a["logprob"])) for a in first.get("top_logprobs") or []]
+            if top and not alternatives:  # no top_logprobs: the sampled token alone is all there is
+                alternatives = [(str(first["token"]), float(first["logprob"]))]
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise JudgeError(self.scrub(f"not a chat-completions response ({type(e).__name__}): {resp.text[:300]}")) from None
+            what = "with first-token log-probs " if top else ""
+            raise JudgeError(self.scrub(f"not a chat-completions response {what}({type(e).__name__}): "
+                                        f"{resp.text[:300]}")) from None
         usage = data.get("usage") or {}
         return Completion(content, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                          schema_bound=bound)
+                          schema_bound=bound, top=tuple(alternatives))
 
     def scrub(self, text: str) -> str:
         """`text` without this client's API key."""
@@ -166,6 +194,7 @@ class TransformersClient:
         self._lm = AutoModelForCausalLM.from_pretrained(model).to(device or "cpu").eval()
         self._max_new_tokens = max_new_tokens
         self._lock = threading.Lock()  # one generate at a time: the model is not shared-state safe
+        self._choice_tokens: dict[tuple[str, ...], list[int]] = {}
 
     def complete(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None) -> Completion:
         """Generate one reply to `messages` with the tokenizer's chat template (unconstrained: a
@@ -177,3 +206,23 @@ class TransformersClient:
             out = self._lm.generate(**enc, max_new_tokens=self._max_new_tokens, do_sample=False)
         new = out[0, prompt_len:]  # (T_new,)
         return Completion(self._tok.decode(new, skip_special_tokens=True), prompt_len, int(new.shape[0]))
+
+    def first_token(self, messages: list[dict[str, Any]], response_format: dict[str, Any] | None = None,
+                    choices: tuple[str, ...] = ()) -> Completion:
+        """One forward pass, no generation: the log-probs of every vocabulary token whose text is one of `choices`
+        (stripped, any case), plus the 20 most likely tokens. Unbound: `response_format` is not applied."""
+        torch = self._torch
+        enc = self._tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        enc = {k: v.to(self._lm.device) for k, v in enc.items()}
+        with self._lock, torch.no_grad():
+            logits = self._lm(**enc).logits[0, -1].float()  # (V,): the next token's, after the whole prompt
+        logprobs = torch.log_softmax(logits, dim=-1)
+        wanted = {c.lower() for c in choices}
+        if choices not in self._choice_tokens:
+            vocab = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
+            self._choice_tokens[choices] = [
+                i for i, t in enumerate(vocab) if t is not None
+                and self._tok.convert_tokens_to_string([t]).strip().lower() in wanted]
+        ids = sorted(set(self._choice_tokens[choices]) | set(logprobs.topk(20).indices.tolist()))
+        top = tuple((self._tok.decode([i]), float(logprobs[i])) for i in ids)
+        return Completion("", int(enc["input_ids"].shape[1]), 0, top=top)

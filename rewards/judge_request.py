@@ -52,7 +52,7 @@ def common_prefix_len(trajectories: Sequence[list[dict[str, Any]]]) -> int:
 
 
 def judge_messages(prefix: list[dict[str, Any]], bodies: Sequence[list[dict[str, Any]]], rubric: str,
-                   reference: str | None = None) -> list[dict[str, Any]]:
+                   reference: str | None = None, instructions: str = INSTRUCTIONS) -> list[dict[str, Any]]:
     """The judge request: instructions + rubric, then the reference answer when given, the shared context once and
     the trajectories labelled 1..n."""
     text = ""
@@ -63,7 +63,7 @@ def judge_messages(prefix: list[dict[str, Any]], bodies: Sequence[list[dict[str,
     text += "Trajectories:\n\n" + "\n\n".join(
         f'<trajectory id="{i}">\n{json.dumps(body, ensure_ascii=False)}\n</trajectory>' for i, body in enumerate(bodies, 1)
     )
-    system = INSTRUCTIONS.format(rubric=rubric) + (REFERENCE if reference is not None else "")
+    system = instructions.format(rubric=rubric) + (REFERENCE if reference is not None else "")
     return [{"role": "system", "content": system}, {"role": "user", "content": text}]
 
 

@@ -33,6 +33,30 @@ def content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
+def local_path(value: str) -> Path | None:
+    """`value` as an existing local file or folder (a leading `$RLOPS_CACHE` expanded), or None: a served model's
+    name or a hub id is not a path."""
+    from storage.settings import cache_dir
+
+    if value == "$RLOPS_CACHE" or value.startswith("$RLOPS_CACHE/"):
+        value = str(cache_dir()) + value[len("$RLOPS_CACHE"):]
+    path = Path(value).expanduser()
+    return path if value and path.exists() else None
+
+
+def path_content_hash(path: Path) -> str:
+    """`content_hash` of a file or folder, computed once per process for each state of its files (a judge's
+    ~0.5-1 GB of weights takes seconds to hash; a version is asked for many times)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    state = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _hash_state(path.resolve(), state)
+
+
+@functools.lru_cache(maxsize=64)
+def _hash_state(path: Path, state: tuple[tuple[str, int, int], ...]) -> str:
+    return content_hash(path)
+
+
 @functools.cache
 def _library_roots() -> tuple[Path, ...]:
     paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}

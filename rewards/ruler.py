@@ -9,7 +9,8 @@ Two layers:
   `permutations=k` judges k orders (rotations of a seeded shuffle, so with k = n every trajectory
   is shown once in every position) and averages per trajectory, to cancel position bias.
   Validated answers are cached as JSON files keyed by sha256(model, rubric, request, order).
-- `ruler_reward`: a group reward for a `RewardSpec`, keeping explanations in details.
+- `ruler_reward`: a group reward for a `RewardSpec`, keeping explanations in details; `mode` picks the ranking
+  or one of the pointwise/pairwise modes read from log-probs (rewards/judge_modes.py).
 
 What the judge is asked, the verdict schema and the validation of a reply live in rewards/judge_request.py.
 """
@@ -30,6 +31,7 @@ from typing import Any
 
 from rewards.base import describe_error, group_reward
 from rewards.judge_client import ChatClient, Completion, JudgeError, OpenAIClient, TransformersClient, scrub
+from rewards.judge_modes import MODES, judge_group
 from rewards.judge_request import (CORRECTION, DEFAULT_RUBRIC, REFERENCE, common_prefix_len,  # noqa: F401 - re-exported
                                    judge_messages, parse_scores, verdict_format)
 from storage.atomic import write_text_atomic
@@ -224,6 +226,7 @@ def _make_client(config: JudgeConfig) -> ChatClient:
     low=0.0,
     high=1.0,
     unversioned=("timeout", "max_retries", "concurrency", "backoff", "cache_dir"),
+    content=("model", "weights"),
 )
 def ruler_reward(
     group: list[Rollout],
@@ -242,6 +245,8 @@ def ruler_reward(
     cache_dir: str | None = None,
     schema: bool = True,
     reference: bool | str = False,
+    mode: str = "ranking",
+    weights: str | None = None,
 ) -> list[tuple[float, dict[str, Any]]]:
     """RULER score of each rollout of one group, with the judge's explanation in details.
 
@@ -249,6 +254,10 @@ def ruler_reward(
     bounded explanations) where the endpoint takes `response_format: json_schema`; an endpoint that refuses it is
     asked without, and its reply validated (details.verdict_format says which). reference: show the judge the
     prompt's ground truth, `metadata["answer"]` (True) or `metadata[reference]` (a key): reference-guided grading.
+    mode: `ranking` (one verdict per group, RULER's), or read from the judge's first-token log-probs: `yes_no`,
+    `scale` (1-5) per trajectory, `pairwise` (both orders of every pair); `permutations` is the ranking's alone.
+    weights: the judge's weights (a local folder or file, e.g. what `rlops model prepare` made for the model an
+    endpoint serves): their content enters the reward's version, as a local `model`'s does.
 
     backend: `openai` (any OpenAI-compatible server at `base_url`) or `transformers` (`model` is a local
     folder or hub id). max_tokens: the judge's reply limit (None: the server's default; 1024 locally).
@@ -263,6 +272,15 @@ def ruler_reward(
         key = ("answer" if reference is True else reference) or None
         if key is not None and key not in group[0].metadata:
             raise KeyError(f"reference: the rollouts' metadata has no {key!r} (it has: {', '.join(group[0].metadata)})")
+        shown = None if key is None else str(group[0].metadata[key])
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode != "ranking":
+            scored = judge_group([[m.to_openai() for m in r.messages] for r in group], mode, client, rubric=rubric,
+                                 reference=shown, cache_dir=cache_dir, schema=schema, concurrency=concurrency,
+                                 on_cost=usage.add)
+            extra = {"judge_model": model, "group_usage": asdict(usage), **({"reference": key} if key else {})}
+            return [(value, {**details, **extra}) for value, details in scored]
         ranked = rank(
             [[m.to_openai() for m in r.messages] for r in group],
             rubric,
@@ -273,7 +291,7 @@ def ruler_reward(
             cache_dir=cache_dir,
             usage=usage,
             schema=schema,
-            reference=None if key is None else str(group[0].metadata[key]),
+            reference=shown,
         )
     except Exception as e:
         # Whatever failed, its text is recorded in every row of the group: make sure the key is not in it.

