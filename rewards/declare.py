@@ -82,6 +82,7 @@ def reward(
 def group_reward(
     low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
     files: Sequence[str | PathLike[str]] = (), content: Sequence[str] = (),
+    task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
 ) -> Callable[[F], F]:
     """Declare `fn(group: list[Rollout], **params) -> list[float | (float, dict)]` a group reward (a ranker).
 
@@ -89,7 +90,7 @@ def group_reward(
     The keywords are those of `reward`, and `content`: param names whose value, where it names a local file or
     folder (a judge's weights; `$RLOPS_CACHE/...` expanded), is versioned by that content instead of its text.
     """
-    return _declare("group", low, high, uses, unversioned, tokens, files, content=content)
+    return _declare("group", low, high, uses, unversioned, tokens, files, task_check=task_check, content=content)
 
 
 class NotApplicable:

@@ -222,11 +222,22 @@ def _make_client(config: JudgeConfig) -> ChatClient:
     raise ValueError(f"judge backend must be openai or transformers, got {config.backend!r}")
 
 
+def _params_check(task_name: str, task_params: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """What a config check can say of the judge's params before any rollout: the mode, the permutations."""
+    problems = []
+    if params.get("mode", "ranking") not in MODES:
+        problems.append(f"mode must be one of {', '.join(MODES)}, got {params['mode']!r}")
+    if params.get("mode", "ranking") != "ranking" and params.get("permutations", 1) != 1:
+        problems.append("permutations is the ranking mode's (pairwise asks both orders of every pair itself)")
+    return problems
+
+
 @group_reward(
     low=0.0,
     high=1.0,
     unversioned=("timeout", "max_retries", "concurrency", "backoff", "cache_dir"),
     content=("model", "weights"),
+    task_check=_params_check,
 )
 def ruler_reward(
     group: list[Rollout],

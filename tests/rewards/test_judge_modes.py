@@ -151,3 +151,17 @@ def test_a_local_judge_reads_the_choices_from_one_forward_pass(tiny_model_dir, m
     assert len(scores) == 3 and all(0.0 < s < 1.0 for s, _ in scores)  # a random model: between the choices
     assert all(set(d["choice_probs"]) <= {"true", "false", "yes", "no"} for _, d in scores)
     assert [s for s, _ in judge_group(trajectories(3), "yes_no", client)] == [s for s, _ in scores]
+
+
+def test_a_wrong_mode_is_a_config_problem_before_any_compute():
+    from flows.config import read_yaml
+    from flows.run_config import from_dict, semantic_problems
+
+    data = read_yaml(Path(__file__).parents[2] / "configs" / "arithmetic_judge.yaml")
+    (judge,) = [r for r in data["score"]["rewards"] if r["name"] == "judge"]
+    assert semantic_problems(from_dict(data)) == []
+    judge["params"].update(mode="vote")
+    assert any("mode must be one of ranking, yes_no, scale, pairwise, got 'vote'" in p
+               for p in semantic_problems(from_dict(data)))
+    judge["params"].update(mode="pairwise", permutations=2)
+    assert any("permutations is the ranking mode's" in p for p in semantic_problems(from_dict(data)))

@@ -107,8 +107,11 @@ def _plain(tmp_path: Path, questions: list[str], *models: Path) -> dict[str, lis
     return found["replies"]
 
 
-def test_hf_and_gguf_exports_reply_as_the_served_policy(trained, tmp_path, capsys):
+def test_hf_and_gguf_exports_reply_as_the_served_policy(trained, tmp_path, capsys, monkeypatch):
     from gguf import GGUFReader
+
+    from flows.cli import main
+    from stages.policy.model import fingerprint
 
     hf, f32, f16 = tmp_path / "hf", tmp_path / "gguf" / "policy-f32.gguf", tmp_path / "gguf" / "policy-f16.gguf"
     code, out, _ = _export(trained.ws, capsys, f"{RUN}@latest", "--format", "hf", str(hf))
@@ -125,12 +128,21 @@ def test_hf_and_gguf_exports_reply_as_the_served_policy(trained, tmp_path, capsy
     assert {t.tensor_type.name for t in halves} == {"F16", "F32"} and {t.tensor_type.name for t in whole} == {"F32"}
     assert 0.5 <= sum(int(t.n_bytes) for t in halves) / sum(int(t.n_bytes) for t in whole) < 0.51  # norms stay f32
 
+    # `rlops model prepare FILE.gguf` (how a judge or a policy comes from a GGUF) converts it into the cache
+    monkeypatch.setenv("RLOPS_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert main(["model", "prepare", str(f32), "--name", "from-gguf", "--json"]) == 0
+    prepared = json.loads(capsys.readouterr().out)
+    converted = tmp_path / "cache" / "models" / "from-gguf"
+    assert prepared == {"model_dir": str(converted), "fingerprint": fingerprint(str(converted))}
+
     served, unadapted = _served(trained, trained.final), _served(trained, "base")
     assert len(set(served)) > 3  # replies that depend on the prompt
     assert served != unadapted  # and on the adapter: an export that lost it would differ
-    plain = _plain(tmp_path, trained.questions, hf, f32, f16)
+    plain = _plain(tmp_path, trained.questions, hf, f32, f16, converted)
     assert plain[str(hf)] == served
     assert plain[str(f32)] == served  # f32 GGUF: the same weights, the same tokenizer and template
+    assert plain[str(converted)] == served  # and the folder prepared from it
     agree = sum(a == b for a, b in zip(plain[str(f16)], served))
     print(f"f16 GGUF: {agree}/{len(served)} greedy replies equal to the served f32 policy's")
 

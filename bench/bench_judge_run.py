@@ -1,0 +1,115 @@
+"""A run trained by the judge alone, beside the same run on the programmatic reward, one after the other.
+
+    .ci/loopback .venv/bin/python bench/bench_judge_run.py [--judge SmolLM2-135M-Instruct] [--steps 40] \
+        [--mode yes_no] [--no-reference]
+
+1. `rlops serve --base-model JUDGE` on a free 127.0.0.1 port; configs/arithmetic_judge.yaml pointed at it (the
+   `judge` reward, by default the yes_no mode with the reference, the only training reward; `correct` scored
+   beside it, weight 0).
+2. When it ends, the judge is stopped and configs/arithmetic_trl_parity.yaml runs (the same task, seed, budget and
+   evaluation, trained on `correct`).
+3. Per run: held-out `correct` of the base and of every evaluated checkpoint, the final one against the base with
+   its paired 95 % bootstrap interval (`rlops eval compare`'s), wall seconds; and for the judge run, how often the
+   judge's reward agreed with `correct` on the training rollouts (pairwise, within groups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import loopback  # bench/loopback.py: run under .ci/loopback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_ruler import free_port, start_judge  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+AGREEMENT = """
+WITH r AS (SELECT rollout_id, group_id, name, value FROM rewards WHERE name IN ('judge', 'correct')),
+p AS (SELECT j.group_id, j.rollout_id, j.value AS judge, c.value AS correct FROM r j JOIN r c USING (rollout_id)
+      WHERE j.name = 'judge' AND c.name = 'correct' AND j.value IS NOT NULL)
+SELECT count(*) AS pairs,
+       avg(CASE WHEN (a.judge - b.judge) * (a.correct - b.correct) > 0 THEN 1.0
+                WHEN a.judge = b.judge THEN 0.5 ELSE 0.0 END) AS agreement
+FROM p a JOIN p b ON a.group_id = b.group_id AND a.rollout_id < b.rollout_id WHERE a.correct <> b.correct
+"""
+
+
+def run(config: Path, workspace: Path, steps: int) -> float:
+    start = time.perf_counter()
+    subprocess.run([str(REPO / ".venv" / "bin" / "rlops"), "run", str(config), "--workspace", str(workspace),
+                    "--set", f"steps={steps}"], check=True, cwd=REPO)
+    return time.perf_counter() - start
+
+
+def report(label: str, workspace: Path, seconds: float) -> dict[str, Any]:
+    from stages.evaluate import compare
+    from storage.sql import open_views
+    from storage.settings import Settings
+    from storage.workspace import Workspace
+
+    views = open_views(Settings.from_env(str(workspace)))
+    evals = views.con.sql("SELECT e.policy_id, coalesce(c.step, 0) AS step, e.value FROM evals e LEFT JOIN checkpoints c "
+                          "USING (policy_id) WHERE e.metric = 'correct' ORDER BY e.created_at").fetchall()
+    out: dict[str, Any] = {"run": label, "seconds": round(seconds, 1),
+                           "evals": [{"policy": p, "step": s, "correct": round(v, 3)} for p, s, v in evals]}
+    if len(evals) >= 2:
+        c = compare(Workspace.open(workspace), evals[0][0], evals[-1][0])
+        out["final_vs_base"] = [round(c.difference, 3), round(c.low, 3), round(c.high, 3)]
+    if label == "judge":
+        pairs, agreement = views.con.sql(AGREEMENT).fetchone()
+        out["judge_vs_correct"] = {"pairs": pairs, "agreement": None if agreement is None else round(agreement, 3)}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--judge", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--mode", default="yes_no", help="the judge reward's mode (ranking, yes_no, scale, pairwise)")
+    parser.add_argument("--no-reference", action="store_true", help="do not show the judge the answer")
+    parser.add_argument("--workdir", default="/tmp/rlops-bench-judge-run")
+    args = parser.parse_args()
+
+    import yaml
+
+    from flows.config import read_yaml
+    from stages.policy.model import prepare_model
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_model(args.judge)
+    port = free_port()
+    data = read_yaml(REPO / "configs" / "arithmetic_judge.yaml")
+    (judge,) = [r for r in data["score"]["rewards"] if r["name"] == "judge"]
+    judge["params"].update(base_url=f"http://127.0.0.1:{port}/v1", weights=str(model_dir), mode=args.mode,
+                           reference=not args.no_reference)
+    config = work / "arithmetic_judge.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    server = start_judge(work, str(model_dir), port)
+    try:
+        judged = run(config, work / "ws-judge", args.steps)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    programmatic = run(REPO / "configs" / "arithmetic_trl_parity.yaml", work / "ws-correct", args.steps)
+    rows = [report("judge", work / "ws-judge", judged), report("correct", work / "ws-correct", programmatic)]
+    print("\n| trained on | held-out correct by step | final - base [95 %] | wall s |\n| --- | --- | --- | --- |")
+    for r in rows:
+        steps = ", ".join(f"{e['step']}: {e['correct']:.2f}" for e in r["evals"])
+        diff = r.get("final_vs_base", [float("nan")] * 3)
+        print(f"| {r['run']} | {steps} | {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}] | {r['seconds']} |")
+
+
+if __name__ == "__main__":
+    loopback.enter()
+    main()
