@@ -67,6 +67,34 @@ def groups(n: int, seed: int = 0) -> list[tuple[list[list[dict[str, Any]]], str,
     return out
 
 
+def doc_search_groups(n: int, seed: int = 0) -> list[tuple[list[list[dict[str, Any]]], str, list[float]]]:
+    """(trajectories, reference, ground truth) for n doc_search test questions, 4 episodes each, 1-3 right: the
+    task's oracle episode (search by the gold query, read the gold document, answer), the same tool calls ending
+    in another question's answer of the same kind (read right, answered wrong), or an answer at once without a tool call (right or
+    wrong). Right means the final answer is the gold answer (what the config's `correct` checks)."""
+    from tasks.doc_search import make_task, oracle_messages
+
+    task = make_task(k=3, max_turns=4)
+    prompts = task.prompts("test")[:n]
+    answers = [str(p.metadata["answer"]) for p in task.prompts("test")]
+    rng = random.Random(seed)
+    out = []
+    for prompt in prompts:
+        gold = str(prompt.metadata["answer"])
+        oracle = oracle_messages(task, prompt)
+        right = rng.randint(1, GROUP_SIZE - 1)
+        kinds = [True] * right + [False] * (GROUP_SIZE - right)
+        rng.shuffle(kinds)
+        trajectories = []
+        for ok in kinds:
+            alike = [a for a in answers if a.isdigit() == gold.isdigit() and a.strip().lower() != gold.strip().lower()]
+            answer = gold if ok else rng.choice(alike)  # a year for a year, a name for a name
+            final = {"role": "assistant", "content": answer}
+            trajectories.append(oracle[:-1] + [final] if rng.random() < 0.5 else task.messages(prompt) + [final])
+        out.append((trajectories, gold, [float(ok) for ok in kinds]))
+    return out
+
+
 def pair_accuracy(scores: list[float], truth: list[float]) -> tuple[float, int]:
     """(agreeing pairs, pairs the truth orders): a pair the judge ties counts half."""
     got, total = 0.0, 0
@@ -131,6 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--judge", default="SmolLM2-135M-Instruct", help="a model `rlops model prepare` takes")
     parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--task", choices=["arithmetic", "doc_search"], default="arithmetic")
     parser.add_argument("--modes", default="ranking,yes_no,scale,pairwise")
     parser.add_argument("--references", default="no,yes", help="judge without and/or with the reference answer")
     parser.add_argument("--max-tokens", type=int, default=400, help="the ranking's reply limit")
@@ -149,7 +178,7 @@ def main() -> None:
     server = start_judge(workdir, str(model_dir), port)
     print(f"judge {args.judge} ({model_dir}, fingerprint {fingerprint(str(model_dir))}) served in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
-    data = groups(args.groups)
+    data = groups(args.groups) if args.task == "arithmetic" else doc_search_groups(args.groups)
     print(f"{len(data)} groups of {GROUP_SIZE}, {sum(sum(t) for _, _, t in data):.0f} right answers of "
           f"{len(data) * GROUP_SIZE}", flush=True)
     client = OpenAIClient(f"http://127.0.0.1:{port}/v1", "base", timeout=900, max_retries=0, concurrency=4,
@@ -159,7 +188,7 @@ def main() -> None:
         for mode in args.modes.split(","):
             for reference in [r == "yes" for r in args.references.split(",")]:
                 row = judge_one(mode, reference, data, client)
-                results.append({"judge": args.judge, **row})
+                results.append({"judge": args.judge, "task": args.task, **row})
                 print(json.dumps(row), flush=True)
     finally:
         server.terminate()

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rewards.base import describe_error, group_reward
+from rewards.base import NOT_APPLICABLE, describe_error, group_reward
 from rewards.judge_client import ChatClient, Completion, JudgeError, OpenAIClient, TransformersClient, scrub
 from rewards.judge_modes import MODES, judge_group
 from rewards.judge_request import (CORRECTION, DEFAULT_RUBRIC, REFERENCE, common_prefix_len,  # noqa: F401 - re-exported
@@ -286,6 +286,8 @@ def ruler_reward(
         shown = None if key is None else str(group[0].metadata[key])
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "pairwise" and len(group) < 2:  # an evaluation's group of one (`samples: 1`): nothing to compare
+            return [(NOT_APPLICABLE, {"judge_mode": mode, "reason": "a group of one has no pair to compare"})]
         if mode != "ranking":
             scored = judge_group([[m.to_openai() for m in r.messages] for r in group], mode, client, rubric=rubric,
                                  reference=shown, cache_dir=cache_dir, schema=schema, concurrency=concurrency,

@@ -99,6 +99,8 @@ def test_pairwise_asks_both_orders_and_cancels_a_position_bias(judge_server, mak
     assert [o.value for o in outs] == pytest.approx([0.8, (0.2 + 0.5) / 2, (0.2 + 0.5) / 2])
     assert outs[0].details["win_probs"] == pytest.approx([0.8, 0.8])
     assert outs[1].details["order_agreement"] == 0.5  # against "80" the first-shown one wins either way
+    (alone,) = compute(spec(judge_server.url, "pairwise"), group(make_rollout, ["82"]))  # an evaluation's group of one
+    assert (alone.value, alone.error, alone.applicable) == (None, None, False) and len(judge_server.requests) == 6
 
 
 def test_a_judge_without_log_probs_or_choices_fails_the_group_with_the_reason(judge_server, make_rollout):
