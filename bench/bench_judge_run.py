@@ -9,7 +9,7 @@
 2. When it ends, the judge is stopped and configs/arithmetic_trl_parity.yaml runs (the same task, seed, budget and
    evaluation, trained on `correct`).
 3. Per run: held-out `correct` of the base and of every evaluated checkpoint, the final one against the base with
-   its paired 95 % bootstrap interval (`rlops eval compare`'s), wall seconds; and for the judge run, how often the
+   its paired 95 % bootstrap interval (`rlops eval compare`'s), wall seconds (the `runs` table's); and for the judge run, how often the
    judge's reward agreed with `correct` on the training rollouts (pairwise, within groups).
 """
 
@@ -19,7 +19,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +31,10 @@ from bench_ruler import free_port, start_judge  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 AGREEMENT = """
-WITH r AS (SELECT rollout_id, group_id, name, value FROM rewards WHERE name IN ('judge', 'correct')),
+WITH r AS (SELECT w.rollout_id, o.group_id, w.reward_name, w.value FROM rewards w JOIN rollouts o USING (rollout_id)
+           WHERE w.reward_name IN ('judge', 'correct') AND o.split = 'train'),
 p AS (SELECT j.group_id, j.rollout_id, j.value AS judge, c.value AS correct FROM r j JOIN r c USING (rollout_id)
-      WHERE j.name = 'judge' AND c.name = 'correct' AND j.value IS NOT NULL)
+      WHERE j.reward_name = 'judge' AND c.reward_name = 'correct' AND j.value IS NOT NULL)
 SELECT count(*) AS pairs,
        avg(CASE WHEN (a.judge - b.judge) * (a.correct - b.correct) > 0 THEN 1.0
                 WHEN a.judge = b.judge THEN 0.5 ELSE 0.0 END) AS agreement
@@ -42,14 +42,12 @@ FROM p a JOIN p b ON a.group_id = b.group_id AND a.rollout_id < b.rollout_id WHE
 """
 
 
-def run(config: Path, workspace: Path, steps: int) -> float:
-    start = time.perf_counter()
+def run(config: Path, workspace: Path, steps: int) -> None:
     subprocess.run([str(REPO / ".venv" / "bin" / "rlops"), "run", str(config), "--workspace", str(workspace),
                     "--set", f"steps={steps}"], check=True, cwd=REPO)
-    return time.perf_counter() - start
 
 
-def report(label: str, workspace: Path, seconds: float) -> dict[str, Any]:
+def report(label: str, workspace: Path) -> dict[str, Any]:
     from stages.evaluate import compare
     from storage.sql import open_views
     from storage.settings import Settings
@@ -57,14 +55,15 @@ def report(label: str, workspace: Path, seconds: float) -> dict[str, Any]:
 
     views = open_views(Settings.from_env(str(workspace)))
     evals = views.con.sql("SELECT e.policy_id, coalesce(c.step, 0) AS step, e.value FROM evals e LEFT JOIN checkpoints c "
-                          "USING (policy_id) WHERE e.metric = 'correct' ORDER BY e.created_at").fetchall()
-    out: dict[str, Any] = {"run": label, "seconds": round(seconds, 1),
+                          "USING (policy_id) WHERE e.metric = 'accuracy' ORDER BY e.created_at").fetchall()
+    started, finished = views.con.sql("SELECT min(started_at), max(finished_at) FROM runs").fetchall()[0]
+    out: dict[str, Any] = {"run": label, "seconds": round((finished - started).total_seconds(), 1),
                            "evals": [{"policy": p, "step": s, "correct": round(v, 3)} for p, s, v in evals]}
     if len(evals) >= 2:
         c = compare(Workspace.open(workspace), evals[0][0], evals[-1][0])
         out["final_vs_base"] = [round(c.difference, 3), round(c.low, 3), round(c.high, 3)]
     if label == "judge":
-        pairs, agreement = views.con.sql(AGREEMENT).fetchone()
+        pairs, agreement = views.con.sql(AGREEMENT).fetchall()[0]
         out["judge_vs_correct"] = {"pairs": pairs, "agreement": None if agreement is None else round(agreement, 3)}
     print(json.dumps(out), flush=True)
     return out
@@ -76,6 +75,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--mode", default="yes_no", help="the judge reward's mode (ranking, yes_no, scale, pairwise)")
     parser.add_argument("--no-reference", action="store_true", help="do not show the judge the answer")
+    parser.add_argument("--report-only", action="store_true", help="report the runs already in --workdir")
     parser.add_argument("--workdir", default="/tmp/rlops-bench-judge-run")
     args = parser.parse_args()
 
@@ -95,15 +95,16 @@ def main() -> None:
     config = work / "arithmetic_judge.yaml"
     config.write_text(yaml.safe_dump(data, sort_keys=False))
 
-    server = start_judge(work, str(model_dir), port)
-    try:
-        judged = run(config, work / "ws-judge", args.steps)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    programmatic = run(REPO / "configs" / "arithmetic_trl_parity.yaml", work / "ws-correct", args.steps)
-    rows = [report("judge", work / "ws-judge", judged), report("correct", work / "ws-correct", programmatic)]
-    print("\n| trained on | held-out correct by step | final - base [95 %] | wall s |\n| --- | --- | --- | --- |")
+    if not args.report_only:
+        server = start_judge(work, str(model_dir), port)
+        try:
+            run(config, work / "ws-judge", args.steps)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+        run(REPO / "configs" / "arithmetic_trl_parity.yaml", work / "ws-correct", args.steps)
+    rows = [report("judge", work / "ws-judge"), report("correct", work / "ws-correct")]
+    print("\n| trained on | held-out accuracy (correct) by step | final - base [95 %] | wall s |\n| --- | --- | --- | --- |")
     for r in rows:
         steps = ", ".join(f"{e['step']}: {e['correct']:.2f}" for e in r["evals"])
         diff = r.get("final_vs_base", [float("nan")] * 3)
