@@ -34,6 +34,7 @@ from rewards.judge_client import ChatClient, Completion, JudgeError, OpenAIClien
 from rewards.judge_modes import MODES, judge_group
 from rewards.judge_request import (CORRECTION, DEFAULT_RUBRIC, REFERENCE, common_prefix_len,  # noqa: F401 - re-exported
                                    judge_messages, parse_scores, verdict_format)
+from rewards.reach_origin import local_path, path_content_hash
 from storage.atomic import write_text_atomic
 from storage.ids import canonical_json
 from storage.schema import Rollout
@@ -284,6 +285,9 @@ def ruler_reward(
         if key is not None and key not in group[0].metadata:
             raise KeyError(f"reference: the rollouts' metadata has no {key!r} (it has: {', '.join(group[0].metadata)})")
         shown = None if key is None else str(group[0].metadata[key])
+        if cache_dir is not None and weights is not None and (path := local_path(weights)) is not None:
+            # verdicts of other weights served under the same name are not these weights' verdicts
+            cache_dir = str(Path(cache_dir) / f"weights-{path_content_hash(path)[:16]}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "pairwise" and len(group) < 2:  # an evaluation's group of one (`samples: 1`): nothing to compare

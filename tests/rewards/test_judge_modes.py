@@ -115,15 +115,23 @@ def test_a_judge_without_log_probs_or_choices_fails_the_group_with_the_reason(ju
                for o in compute(spec(judge_server.url, "vote"), rollouts))
 
 
-def test_the_judges_weights_enter_the_version_by_content(tmp_path):
+def test_the_judges_weights_enter_the_version_and_the_cache_by_content(tmp_path, judge_server, make_rollout):
     weights = tmp_path / "judge"
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"one")
     params = {"base_url": "http://127.0.0.1:9/v1", "model": "judge", "weights": str(weights)}
     first = reward_version(RewardSpec(fn="rewards.ruler.ruler_reward", params=params))
     assert reward_version(RewardSpec(fn="rewards.ruler.ruler_reward", params=params)) == first
+    judge_server.script(top_reply({"true": 0.9, "false": 0.1}))
+    cached = spec(judge_server.url, "yes_no", weights=str(weights), cache_dir=str(tmp_path / "cache"))
+    rollouts = group(make_rollout, ["82", "81"])
+    assert [o.value for o in compute(cached, rollouts)] == pytest.approx([0.9, 0.9])
+    assert [o.value for o in compute(cached, rollouts)] == pytest.approx([0.9, 0.9]) and len(judge_server.requests) == 2
+
     (weights / "model.safetensors").write_bytes(b"two")
     assert reward_version(RewardSpec(fn="rewards.ruler.ruler_reward", params=params)) != first
+    judge_server.script(top_reply({"true": 0.2, "false": 0.8}))  # other weights: asked again, not read from the cache
+    assert [o.value for o in compute(cached, rollouts)] == pytest.approx([0.2, 0.2]) and len(judge_server.requests) == 4
 
 
 @pytest.mark.slow
