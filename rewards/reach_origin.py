@@ -18,6 +18,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from storage.settings import expand_cache
+
 USER_FILE_MODULE_PREFIX = "rlops_user_reward_"  # module names given to reward files loaded by path
 
 
@@ -36,10 +38,7 @@ def content_hash(path: Path) -> str:
 def local_path(value: str) -> Path | None:
     """`value` as an existing local file or folder (a leading `$RLOPS_CACHE` expanded), or None: a served model's
     name or a hub id is not a path."""
-    from storage.settings import cache_dir
-
-    if value == "$RLOPS_CACHE" or value.startswith("$RLOPS_CACHE/"):
-        value = str(cache_dir()) + value[len("$RLOPS_CACHE"):]
+    value = expand_cache(value)
     path = Path(value).expanduser()
     return path if value and path.exists() else None
 

