@@ -75,7 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _prefect_env(ws_path)
     from flows.prefect_flows import run_here, train_flow
 
-    summary = run_here(train_flow, cfg.model_dump(mode="json"), str(ws_path))
+    summary = run_here(train_flow, cfg.model_dump(mode="json"), str(ws_path), fork_from=args.fork_from)
     if not args.json:
         cols, rows = results_table(summary)
         print(f"\nrun {cfg.name}: held-out {cfg.eval.split} split of {cfg.task.name}")
@@ -322,7 +322,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     cfg = argparse.ArgumentParser(add_help=False, parents=[overrides])
     cfg.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
 
-    sub.add_parser("run", parents=[cfg], help="run (or resume) the whole pipeline under Prefect")
+    p = sub.add_parser("run", parents=[cfg], help="run (or resume) the whole pipeline under Prefect")
+    p.add_argument("--from", dest="fork_from", metavar="RUN@STEP", help="fork: start this run's lineage from a "
+                   "checkpoint of another run (RUN@STEP, RUN@latest or a checkpoint id), generating new rollouts "
+                   "(retrain replays stored ones); without SFT or a first evaluation")
 
     p = sub.add_parser("stage", parents=[overrides], help="run one stage and print its artifact id")
     p.add_argument("stage", choices=["sft", "rollout", "score", "grpo", "dpo", "evaluate"])

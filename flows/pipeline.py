@@ -20,6 +20,7 @@ from typing import Any, Callable
 from flows import async_steps
 from flows.algorithms import update_stage, update_workers
 from flows.run_config import RunConfig
+from flows.step_data import curriculum_prompts, replay_batches
 from stages import cluster, evaluate, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
 from stages.policy.session import PolicySession
@@ -87,17 +88,20 @@ def resident(ctx: StageContext, enabled: bool = True) -> Iterator[StageContext]:
 
 def train(cfg: RunConfig, ctx: StageContext, call: Call = direct, start_policy: str | None = None,
           start_step: int = 0, on_step: Callable[[dict[str, Any]], None] = _print_step,
-          keep_resident: bool = True) -> TrainResult:
+          keep_resident: bool = True, fork: bool = False) -> TrainResult:
     """Run (or resume) the pipeline; returns the lineage and the eval metrics per evaluated policy.
 
     `start_policy`/`start_step` continue an existing lineage (scheduled runs) instead of starting
-    from the base model (and skip the warm-start). `on_step` receives one summary row per step and
+    from the base model (and skip the warm-start); a continued lineage trains on the prompts it has not
+    seen first. `fork`: the run starts a new lineage at `start_policy` (`rlops run --from`, any
+    checkpoint of any run) and draws each step's prompts as the run it forks would have, so that only
+    what the config changes differs from the parent's continuation. `on_step` receives one summary row per step and
     per evaluation (Prefect flows turn them into artifacts). `keep_resident` keeps one policy in
     memory for the whole run (`resident`); off, every stage loads its model from files, as
     `rlops stage` does. Artifact ids and results are the same either way.
     """
     with resident(ctx, keep_resident) as ctx:
-        return _train(cfg, ctx, call, start_policy, start_step, on_step)
+        return _train(cfg, ctx, call, start_policy, start_step, on_step, fork)
 
 
 def ray_workers(cfg: RunConfig) -> dict[str, int]:
@@ -114,7 +118,7 @@ def prepare_cluster(cfg: RunConfig) -> None:
 
 
 def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | None, start_step: int,
-           on_step: Callable[[dict[str, Any]], None]) -> TrainResult:
+           on_step: Callable[[dict[str, Any]], None], fork: bool = False) -> TrainResult:
     ws = ctx.ws
     cfg = with_workspace_context(cfg, ws)
     cluster.prepare(ctx.ray, ray_workers(cfg), overlapped=cfg.max_staleness > 0)
@@ -130,35 +134,40 @@ def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | No
             result.evals[p] = evaluate_policy(cfg, ctx, p, call)
             on_step({"eval": p, **result.evals[p]})
 
-    def generate(step: int, gen_policy: str) -> tuple[str, list[str], str]:
+    def generate(step: int, gen_policy: str) -> tuple[str, list[str], str, int]:
         # A continued lineage (a scheduled run) trains on prompts it has not seen first: rows added to
         # the task's data since the last run are picked up at once.
-        fresh = unseen_prompts(cfg, gen_ctx, cfg.rollout.prompts_per_step) if start_policy else None
+        # The curriculum (flows/step_data.py) chooses from the past pass rates instead.
+        fresh = unseen_prompts(cfg, gen_ctx, cfg.rollout.prompts_per_step) if start_policy and not fork else None
+        fresh = curriculum_prompts(cfg, gen_ctx, step, reward) or fresh
         batch = call(f"rollout-{step}", rollout.run, cfg.rollout, gen_ctx, policy_id=gen_policy, task=cfg.task,
                      split="train", step=step, prompt_ids=fresh)
         scored = call(f"score-{step}", score.run, cfg.score, gen_ctx, batches=[batch.id])
         batches = [batch.id]
         if cfg.dynamic_sampling.enabled:
             batches += more_batches(cfg, gen_ctx, call, gen_policy, step, reward, batch.id)
-        return batch.id, batches, scored.id
+        replayed = replay_batches(cfg, gen_ctx, step, reward, batches)
+        return batch.id, batches + replayed, scored.id, len(replayed)
 
     update_fn, update_config = update_stage(cfg)  # the `algorithm:` (grpo unless set)
     if cfg.max_staleness and "sleep_generation" in type(update_config).model_fields:
         # an asynchronous run's vLLM engine keeps generating while the update runs (operational: same ids)
         update_config = update_config.model_copy(update={"sleep_generation": False})
 
-    def update(step: int, policy: str, generated: tuple[str, list[str], str]) -> str:
-        batch, batches, scored = generated
+    def update(step: int, policy: str, generated: tuple[str, list[str], str, int]) -> str:
+        batch, batches, scored, replayed = generated
         policy = call(f"{cfg.algorithm}-{step}", update_fn, update_config, ctx, parent_policy=policy, batches=batches,
                       reward=reward).id
-        result.batches.extend(batches)
+        result.batches.extend(batches[:len(batches) - replayed])  # its own batches; the replayed ones are earlier steps'
         result.policies.append(policy)
         metrics = ws.catalog.get_artifact(scored)["meta"]["metrics"]
         trained = ws.catalog.get_artifact(policy)["meta"]["metrics"]
         on_step({"step": step, "batch": batch, "policy": policy,
                  "reward_mean": metrics.get(f"{reward.name}.mean", float("nan")),
-                 **({"batches": len(batches)} if cfg.dynamic_sampling.enabled else {}),
-                 **{k: trained[k] for k in STEP_FIELDS if k in trained}})
+                 **({"batches": len(batches) - replayed} if cfg.dynamic_sampling.enabled else {}),
+                 **({"replayed_batches": replayed} if cfg.replay.enabled else {}),
+                 **{k: trained[k] for k in STEP_FIELDS if k in trained},
+                 **({"entropy": trained["entropy"]} if "entropy" in trained else {})})  # none on a step without samples
         last = step == start_step + cfg.steps - 1
         if (step - start_step + 1) % cfg.eval.every == 0 or last:
             result.evals[policy] = evaluate_policy(cfg, ctx, policy, call)

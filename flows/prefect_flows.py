@@ -85,18 +85,23 @@ def prefect_call(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs
     return stage(*args, **kwargs)
 
 
-def _context(ws: Workspace, cfg: RunConfig) -> StageContext:
+def _context(ws: Workspace, cfg: RunConfig, fork: dict[str, Any] | None = None) -> StageContext:
     """Continue the run's MLflow parent run if it is unfinished (closing what a killed driver left
-    RUNNING), else start one; record the run."""
-    parent = parent_run(ws, cfg.name, title=f"pipeline:{cfg.name}", tags={"rlops.run_name": cfg.name},
-                        params=cfg.model_dump(mode="json"))
-    ws.catalog.upsert_run(cfg.name, cfg.model_dump(mode="json"), parent, "running")
+    RUNNING), else start one; record the run (and, for a fork, where it starts: `flows.step_data.fork_record`)."""
+    tags = {"rlops.run_name": cfg.name} | {f"rlops.{k}": str(v) for k, v in (fork or {}).items()}
+    parent = parent_run(ws, cfg.name, title=f"pipeline:{cfg.name}", tags=tags, params=cfg.model_dump(mode="json"))
+    ws.catalog.upsert_run(cfg.name, _run_record(cfg, fork), parent, "running")
     flow_run = get_run_context().flow_run
     return StageContext(ws, run_name=cfg.name, parent_run_id=parent, prefect_flow_run_id=str(flow_run.id), ray=cfg.ray)
 
 
+def _run_record(cfg: RunConfig, fork: dict[str, Any] | None) -> dict[str, Any]:
+    """The `runs` row's config: the run config, and where a fork started (`flows.step_data.fork_record`)."""
+    return cfg.model_dump(mode="json") | (fork or {})
+
+
 def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult,
-            gate: bool) -> dict[str, Any]:
+            gate: bool, fork: dict[str, Any] | None = None) -> dict[str, Any]:
     from flows.mlflow_log import log_models
     from flows.promotion import gate as promotion_gate
 
@@ -108,7 +113,7 @@ def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.T
     ws.tracker.log_metrics(ctx.parent_run_id, {f"final.{k}": v for k, v in final.items()})
     ws.tracker.set_tags(ctx.parent_run_id, {"rlops.final_policy": result.final})
     ws.tracker.end_run(ctx.parent_run_id)
-    ws.catalog.upsert_run(cfg.name, cfg.model_dump(mode="json"), ctx.parent_run_id, "complete", finished_at=now())
+    ws.catalog.upsert_run(cfg.name, _run_record(cfg, fork), ctx.parent_run_id, "complete", finished_at=now())
     rows = [{"policy": p, **{k: round(v, 4) for k, v in m.items()}} for p, m in result.evals.items()]
     if rows:
         create_table_artifact(rows, key=_key(cfg.name, "evals"), description=f"evaluations of run {cfg.name}")
@@ -161,20 +166,32 @@ def _on_step(cfg: RunConfig, background: _Background, ctx: StageContext) -> Call
 
 @flow(name="rlops-train")
 def train_flow(config: dict[str, Any], workspace: str | None = None, continue_lineage: bool = False,
-               gate: bool = False) -> dict[str, Any]:
+               gate: bool = False, fork_from: str | None = None) -> dict[str, Any]:
     """The whole pipeline for one config. `continue_lineage` starts from the run's latest checkpoint
     (scheduled retraining) instead of the base model; `gate` applies the promotion gate even without a
-    `promote:` section (scheduled runs)."""
+    `promote:` section (scheduled runs). `fork_from` (`rlops run --from`: RUN@STEP, RUN@latest or a
+    checkpoint id) starts a new lineage there, generating its own rollouts; the run's `runs` row and MLflow
+    run record where it came from."""
+    from flows.step_data import fork_point, fork_record
+
     cfg = from_dict(config)
     ws = Workspace.open(workspace)
-    ctx = _context(ws, cfg)
+    fork = None
+    if fork_from:
+        fork = fork_record(fork_from, *fork_point(ws, fork_from))
+        if continue_lineage:
+            raise ValueError("a run continues its own lineage or forks another, not both")
+    ctx = _context(ws, cfg, fork)
     start_policy, start_step = pipeline.lineage_end(ws, cfg.name) if continue_lineage else (None, 0)
+    if fork:
+        start_policy, start_step = fork["fork_policy"], fork["fork_step"]
     background = _Background()
     try:
-        result = pipeline.train(cfg, ctx, prefect_call, start_policy, start_step, on_step=_on_step(cfg, background, ctx))
+        result = pipeline.train(cfg, ctx, prefect_call, start_policy, start_step, on_step=_on_step(cfg, background, ctx),
+                                fork=fork is not None)
     finally:
         background.wait()
-    return _finish(ws, ctx, cfg, result, gate)
+    return _finish(ws, ctx, cfg, result, gate, fork)
 
 
 @flow(name="rlops-scheduled-train")

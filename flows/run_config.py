@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flows.config import ConfigError, load_config, validate
+from flows.step_data import Curriculum, Replay
 from stages.cluster import RayConfig
 from stages.common import Operational
 from stages.evaluate import EvalConfig
@@ -83,6 +84,8 @@ class RunConfig(BaseModel):
     dpo: DPOConfig = DPOConfig()  # algorithm: dpo (online DPO), and `rlops stage dpo`
     ppo: PPOConfig = PPOConfig()  # algorithm: ppo (a learned critic, GAE per token or per turn)
     dynamic_sampling: DynamicSampling = DynamicSampling()  # more groups when a step's are uninformative
+    curriculum: Curriculum = Curriculum()  # prompts chosen by their past pass rates (flows/step_data.py)
+    replay: Replay = Replay()  # a step without signal also trains on earlier batches that had some
     # Generation runs up to K policy versions ahead of training (flows/async_steps.py): the batch of step s
     # comes from the policy after step s - K. 0 = the synchronous loop (and its ids); verl, ART and
     # prime-rl users typically run 1-4, paired with grpo.correction (TIS) for the policy lag.

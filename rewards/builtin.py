@@ -134,6 +134,18 @@ def length_penalty(rollout: Rollout, limit: int = 512) -> tuple[float, dict[str,
     return -min(1.0, generated / limit), {"generated_tokens": generated, "limit": limit}
 
 
+@reward(low=-1.0, high=0.0, tokens=True)
+def overlong_penalty(rollout: Rollout, max_tokens: int, buffer: int) -> tuple[float, dict[str, Any]]:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13): 0 up to `max_tokens - buffer` generated tokens,
+    then falling linearly to -1 at `max_tokens` (and -1 beyond), n = tokens the policy generated (loss_mask == 1).
+    Set `max_tokens` to the rollout's budget (`rollout.max_new_tokens`), add it to the task reward with weight 1."""
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"need 0 < buffer <= max_tokens, got buffer={buffer}, max_tokens={max_tokens}")
+    generated = sum(rollout.loss_mask)
+    value = max(-1.0, min(0.0, (max_tokens - buffer - generated) / buffer))
+    return value, {"generated_tokens": generated, "max_tokens": max_tokens, "buffer": buffer}
+
+
 @reward(low=0.0, high=1.0)
 def doc_retrieved(
     rollout: Rollout, key: str = "answer_doc_id", search_credit: float = 1.0

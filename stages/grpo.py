@@ -55,7 +55,8 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
             resident = ctx.session.for_update(base_model, parent_policy, adapter_dir, config.lora)
             model, optimizer = resident.model, make_optimizer(resident.model, adapter_dir, config)
         data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline,
-                                  skip_zero_variance=config.skip_zero_variance, vision=vision)
+                                  skip_zero_variance=config.skip_zero_variance, vision=vision,
+                                  mask_truncated=config.mask_truncated)
 
         result = workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
                                ctx=ctx, base_model=base_model)

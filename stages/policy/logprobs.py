@@ -60,27 +60,46 @@ def _scored_positions(attention_mask: Tensor, positions_mask: Tensor | None) -> 
 
 
 def _chunk_logprobs(lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
-                    banned: tuple[int, ...] = ()) -> Tensor:
+                    banned: tuple[int, ...] = (), entropy: bool = False) -> Tensor:
     logits = lm_head(hidden).float() / temperature  # (n, V), one chunk only
     if banned:  # tokens sampling suppressed (set to -inf, as transformers' SuppressTokensLogitsProcessor does)
         logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # (n,)
+    norm = logits.logsumexp(-1)  # (n,)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - norm  # (n,)
+    if not entropy:
+        return logp
+    # H = logsumexp(z) - sum_v p_v z_v; a banned token (p 0, z -inf) adds 0, not NaN
+    finite = logits.masked_fill(~torch.isfinite(logits), 0.0)  # no 0 * -inf, forward or backward
+    expected = ((logits - norm[:, None]).exp() * finite).sum(-1)
+    return torch.stack([logp, norm - expected], -1)  # (n, 2)
 
 
 def _scored_logprobs(lm: nn.Module, rows: Tensor, targets: Tensor, temperature: float, chunk_size: int,
-                     banned: tuple[int, ...] = ()) -> Tensor:
+                     banned: tuple[int, ...] = (), entropy: bool = False) -> Tensor:
     """log p(targets[i] | rows[i]) for hidden states rows (N, H): the output layer a chunk of rows at a
     time; with gradients each chunk is recomputed in backward, so only (chunk_size, V) logits live.
-    `banned` token ids get probability 0 (what sampling suppressed)."""
+    `banned` token ids get probability 0 (what sampling suppressed). `entropy`: (N, 2), each row's
+    log-prob and the entropy of its whole next-token distribution (the same logits, no second pass)."""
     lm_head = lm.get_output_embeddings()
     chunks = []
     for start in range(0, rows.shape[0], chunk_size):
-        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature, banned)
+        args = (lm_head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature, banned,
+                entropy)
         if torch.is_grad_enabled():
             chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             chunks.append(_chunk_logprobs(*args))
-    return torch.cat(chunks) if chunks else rows.new_zeros(0, dtype=torch.float32)  # (N,)
+    if chunks:
+        return torch.cat(chunks)
+    return rows.new_zeros((0, 2) if entropy else 0, dtype=torch.float32)  # (N,) or (N, 2)
+
+
+def _scatter(want: Tensor, scored: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    """(B, T) zeros holding `scored` (N,) where `want` is True; for (N, 2) scores, two such tensors."""
+    def place(values: Tensor) -> Tensor:
+        return torch.zeros(want.shape, dtype=torch.float32, device=values.device).masked_scatter(want, values)
+
+    return place(scored) if scored.dim() == 1 else (place(scored[:, 0]), place(scored[:, 1]))
 
 
 def token_logprobs(
@@ -90,10 +109,13 @@ def token_logprobs(
     positions_mask: Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = 512,
-) -> Tensor:
+    entropy: bool = False,
+) -> Any:
     """log p(input_ids[:, t] | input_ids[:, :t]) under logits / temperature, as a float32 (B, T)
     tensor aligned with input_ids; 0 at t = 0, at padding and wherever positions_mask is False
-    (e.g. pass the rollout loss_mask to score only sampled tokens).
+    (e.g. pass the rollout loss_mask to score only sampled tokens). `entropy`: a pair (log-probs,
+    entropies), the second the entropy of each scored position's next-token distribution (the same
+    logits; what `grpo.entropy_coef` rewards). The same holds for the two variants below.
 
     Works on a transformers causal LM or a peft-wrapped one (gradients reach the LoRA
     weights). With gradients enabled each chunk is recomputed in backward
@@ -107,17 +129,19 @@ def token_logprobs(
         position_ids=_position_ids(attention_mask),
         use_cache=False,
     ).last_hidden_state  # (B, T, H)
-    return _logprobs_at(lm, hidden, input_ids, want, temperature, chunk_size)
+    return _logprobs_at(lm, hidden, input_ids, want, temperature, chunk_size, entropy=entropy)
 
 
 def _logprobs_at(lm: nn.Module, hidden: Tensor, input_ids: Tensor, want: Tensor, temperature: float,
-                 chunk_size: int, banned: tuple[int, ...] = ()) -> Tensor:
-    """(B, T) log-probs of input_ids where `want` (B, T) is True, from the decoder's states hidden (B, T, H)."""
+                 chunk_size: int, banned: tuple[int, ...] = (), entropy: bool = False) -> Any:
+    """(B, T) log-probs of input_ids where `want` (B, T) is True, from the decoder's states hidden (B, T, H)
+    (with `entropy`, the pair of log-probs and entropies)."""
     rows = hidden[:, :-1][want[:, 1:]]  # (N, H): the state before each scored token
     targets = input_ids[:, 1:][want[:, 1:]]  # (N,)
-    scored = _scored_logprobs(lm, rows, targets, temperature, chunk_size, banned)  # (N,)
-    out = torch.zeros(want.shape[0], want.shape[1] - 1, dtype=torch.float32, device=rows.device)
-    return F.pad(out.masked_scatter(want[:, 1:], scored), (1, 0))  # (B, T)
+    scored = _scatter(want[:, 1:], _scored_logprobs(lm, rows, targets, temperature, chunk_size, banned, entropy))
+    if isinstance(scored, tuple):
+        return tuple(F.pad(x, (1, 0)) for x in scored)  # (B, T) each
+    return F.pad(scored, (1, 0))  # (B, T)
 
 
 def visual_token_logprobs(
@@ -128,7 +152,8 @@ def visual_token_logprobs(
     positions_mask: Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = 512,
-) -> Tensor:
+    entropy: bool = False,
+) -> Any:
     """`token_logprobs` for a vision-language model (transformers `*ForConditionalGeneration`, peft-wrapped
     or not): the multimodal body (`lm.model`: vision tower, projector, language model) runs on the tokens
     and the image tensors of `vision` (a `stages.policy.vlm.VisionInputs`), and the tokens sampling
@@ -139,7 +164,7 @@ def visual_token_logprobs(
     want = _scored_positions(attention_mask, positions_mask)  # (B, T)
     hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask,
                       **vision.model_inputs(input_ids), use_cache=False).last_hidden_state  # (B, T, H)
-    return _logprobs_at(lm, hidden, input_ids, want, temperature, chunk_size, vision.banned_ids)
+    return _logprobs_at(lm, hidden, input_ids, want, temperature, chunk_size, vision.banned_ids, entropy)
 
 
 def shared_prefix_logprobs(
@@ -150,7 +175,8 @@ def shared_prefix_logprobs(
     positions_mask: Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = 512,
-) -> Tensor:
+    entropy: bool = False,
+) -> Any:
     """log p(suffix_ids[i, t] | prefix, suffix_ids[i, :t]) for n continuations of one shared prefix, as a
     float32 (n, S) tensor, 0 at padding and wherever positions_mask is False: `token_logprobs` of each
     row prefix + suffix_ids[i], with the prefix run once instead of n times.
@@ -199,8 +225,8 @@ def shared_prefix_logprobs(
     # Token t of a suffix is scored from the state before it: the prefix's last for t = 0.
     states = torch.cat([head.last_hidden_state[:, -1:].expand(n, 1, -1), tail[:, :-1]], 1)  # (n, S, H)
     want = suffix_mask.bool() if positions_mask is None else suffix_mask.bool() & positions_mask.bool()
-    scored = _scored_logprobs(lm, states[want], suffix_ids[want], temperature, chunk_size)  # (N,)
-    return torch.zeros(n, S, dtype=torch.float32, device=states.device).masked_scatter(want, scored)
+    return _scatter(want, _scored_logprobs(lm, states[want], suffix_ids[want], temperature, chunk_size,
+                                           entropy=entropy))  # (n, S)
 
 
 @functools.cache

@@ -69,4 +69,11 @@ class GRPOConfig(BaseModel):
     # Off-policy correction from the behaviour log-probs (stages/update/correction.py): TIS cap, MIS and
     # icepop ranges. Off by default (today's ratio to the behaviour policy); turn TIS on for async runs.
     correction: Correction = Added(Correction())
+    # An entropy bonus: loss - entropy_coef x the mean entropy of the policy's next-token distribution at the
+    # sampled positions (verl's entropy_coeff; the entropy itself is logged either way as `entropy`). Keeps
+    # exploration up where a group's samples collapse onto one answer; 0: off.
+    entropy_coef: float = Added(0.0, ge=0.0)
+    # DAPO's overlong filtering (arXiv 2503.14476): a rollout cut at the token budget (`truncated`) counts in its
+    # group's statistics but is left out of the loss, so a reasoning cut short is not punished as if it were wrong.
+    mask_truncated: bool = Added(False)
     lora: LoRASettings = Field(default_factory=LoRASettings)  # used only when the parent has no adapter

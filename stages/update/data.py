@@ -85,7 +85,7 @@ def read_scored(ws: Workspace, batches: list[str], reward: RewardRef, images: bo
             WHERE reward_name = $name AND reward_version = $version AND list_contains($batches, batch_id)
             QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY scored_at DESC) = 1)
         SELECT ro.rollout_id, ro.batch_id, ro.group_id, ro.token_ids, ro.loss_mask, ro.behavior_logprobs,
-               ro.segment_starts, ro.sampling, r.value""" + (", ro.image_ids" if images else "") + """
+               ro.segment_starts, ro.sampling, ro.truncated, r.value""" + (", ro.image_ids" if images else "") + """
         FROM rollouts ro LEFT JOIN r USING (rollout_id)
         WHERE list_contains($batches, ro.batch_id)
         ORDER BY ro.batch_id, ro.group_id, ro.sample_idx""",
@@ -102,10 +102,11 @@ def sampling_temperature(rows: list[dict[str, Any]]) -> float:
 
 
 def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_zero_variance: bool = True,
-                  vision: Callable[[dict[str, Any]], Any] | None = None) -> TrainingData:
+                  vision: Callable[[dict[str, Any]], Any] | None = None, mask_truncated: bool = False) -> TrainingData:
     """Scored rows -> samples of the groups with signal (of every group, `skip_zero_variance` off),
     their advantages and the data metrics. `vision` (`pixel_inputs`): a vision-language policy's samples
-    carry the pixel inputs of their rows."""
+    carry the pixel inputs of their rows. `mask_truncated` (DAPO's overlong filtering): a rollout cut at the
+    token budget counts in its group's baseline and scale but trains nothing (`masked_truncated` counts them)."""
     import torch
 
     from stages.update.loss import group_advantages, zero_variance_groups
@@ -123,8 +124,11 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_ze
     advantages = group_advantages(rewards, groups, scale, baseline)[keep]  # (n,) one per rollout with signal
     # Each segment of a rollout (storage.schema.segment_bounds) is its own sequence, trained with the
     # rollout's advantage; a segment with no sampled token (an agent's error row) trains nothing.
-    samples, owner = [], []
+    samples, owner, masked = [], [], 0
     for j, r in enumerate(r for r, k in zip(scored, keep.tolist()) if k):
+        if mask_truncated and r.get("truncated"):
+            masked += 1
+            continue
         bounds = segment_bounds(r.get("segment_starts"), len(r["token_ids"]))
         if vision is not None and len(bounds) > 1:  # which segment saw which image is not recorded
             raise ValueError(f"rollout {r['rollout_id']} has {len(bounds)} segments: a visual episode trains as one")
@@ -140,16 +144,16 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_ze
         "advantage_std": float(advantages.std(unbiased=False)) if samples else 0.0,
         "groups": float(n_groups), "zero_variance_groups": float(n_zero), "frac_zero_variance_groups": n_zero / n_groups,
         "dropped_null_rewards": float(len(rows) - len(scored)), "trained_rollouts": float(len(set(owner))),
-        "trained_segments": float(len(samples)),
+        "trained_segments": float(len(samples)), "masked_truncated": float(masked),
     })
 
 
 def read_training_data(ws: Workspace, batches: list[str], reward: RewardRef, scale: str, baseline: str,
-                       skip_zero_variance: bool = True, vision: Callable[[dict[str, Any]], Any] | None = None
-                       ) -> TrainingData:
+                       skip_zero_variance: bool = True, vision: Callable[[dict[str, Any]], Any] | None = None,
+                       mask_truncated: bool = False) -> TrainingData:
     """`training_data` over the scored rollouts of `batches` (reward must carry its version)."""
     return training_data(read_scored(ws, batches, reward, images=vision is not None), scale, baseline,
-                         skip_zero_variance, vision)
+                         skip_zero_variance, vision, mask_truncated)
 
 
 def informative_groups(ws: Workspace, batches: list[str], reward: RewardRef) -> int:

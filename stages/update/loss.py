@@ -159,6 +159,8 @@ def policy_loss(
     loss_mode: LossMode = "ppo_clip",
     old_logp: Tensor | None = None,
     token_weight: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO objective: a surrogate (`loss_mode`: `ppo_clip`, `gspo` or `cispo`, see `SURROGATES`) plus beta * k3 KL.
 
@@ -169,11 +171,16 @@ def policy_loss(
     (the generation budget; defaults to T). Off-policy correction (stages/update/correction.py): with
     old_logp (B, T) the ratio is taken against it instead of behavior_logp, and token_weight (B, T), the
     truncated/masked IS weight old / behaviour, multiplies each token's surrogate (decoupled PPO, not the
-    KL term). Masked positions never contribute, whatever they
+    KL term). `entropy` (B, T): the policy's next-token entropy at each position (`token_logprobs(...,
+    entropy=True)`); entropy_coef > 0 subtracts entropy_coef x entropy from each token's loss (an entropy
+    bonus, aggregated like the surrogate), and its mean is reported as `entropy` either way.
+    Masked positions never contribute, whatever they
     hold (inf/NaN included). Returns (scalar loss, stats as python floats).
     """
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp")
+    if entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs entropy")
     mask = mask.bool()
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     # torch.where, not "* mask": 0 * inf = NaN, in the forward and in the gradient.
@@ -189,6 +196,10 @@ def policy_loss(
     kl = k3_kl(logp, torch.where(mask, ref_logp.to(logp.dtype), zero)) if ref_logp is not None else None
     if kl is not None and beta > 0:
         per_token = per_token + beta * kl
+    if entropy is not None:
+        entropy = torch.where(mask, entropy.to(logp.dtype), zero)
+        if entropy_coef > 0:
+            per_token = per_token - entropy_coef * entropy
     per_token = torch.where(mask, per_token, zero)
     loss = AGGREGATIONS[aggregation](per_token, mask, max_tokens or mask.shape[1])
 
@@ -200,6 +211,7 @@ def policy_loss(
             "clip_frac_high": float(((ratio > 1 + eps_high) & (adv > 0) & mask).sum() / n),
             "ratio_mean": float(torch.where(mask, ratio, zero).sum() / n),
             "kl_mean": float(torch.where(mask, kl, zero).sum() / n) if kl is not None else 0.0,
+            "entropy": float(entropy.sum() / n) if entropy is not None else 0.0,
             "num_tokens": float(mask.sum()),
         }
     return loss, stats

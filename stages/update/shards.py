@@ -20,7 +20,8 @@ from stages.update.train import train_on_batch
 if TYPE_CHECKING:
     import torch
 
-TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "is_weight_mean", "is_masked_frac")  # token-weighted means in train_on_batch
+TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "is_weight_mean", "is_masked_frac",
+               "entropy")  # token-weighted means in train_on_batch
 
 
 def autocast(device: Any) -> Any:

@@ -38,15 +38,18 @@ class _MicroBatch:
     old_logp: torch.Tensor | None = None
     vision: Any = None  # the rows' image tensors (stages.policy.vlm.VisionInputs), for a vision-language policy
 
-    def logprobs(self, model: Any, temperature: float) -> torch.Tensor:
-        """Per-token log-probs (b, T) of the rows at the scored positions (0 elsewhere)."""
+    def logprobs(self, model: Any, temperature: float, entropy: bool = False) -> Any:
+        """Per-token log-probs (b, T) of the rows at the scored positions (0 elsewhere); with `entropy`, the pair
+        (log-probs, next-token entropies)."""
         from stages.policy.logprobs import shared_prefix_logprobs, token_logprobs, visual_token_logprobs
 
         if self.vision is not None:
-            return visual_token_logprobs(model, self.input_ids, self.attention_mask, self.vision, self.mask, temperature)
+            return visual_token_logprobs(model, self.input_ids, self.attention_mask, self.vision, self.mask, temperature,
+                                         entropy=entropy)
         if self.prefix is None:
-            return token_logprobs(model, self.input_ids, self.attention_mask, self.mask, temperature)
-        return shared_prefix_logprobs(model, self.prefix, self.input_ids, self.attention_mask, self.mask, temperature)
+            return token_logprobs(model, self.input_ids, self.attention_mask, self.mask, temperature, entropy=entropy)
+        return shared_prefix_logprobs(model, self.prefix, self.input_ids, self.attention_mask, self.mask, temperature,
+                                      entropy=entropy)
 
 
 def _micro_batch_indices(lengths: list[int], size: int, max_tokens: int | None) -> list[list[int]]:
@@ -142,7 +145,8 @@ def _stack_vision(samples: list[Sample], device: Any) -> Any:
 
 
 # Per-token stats of the loss, averaged over the batch's scored tokens (stages.update.workers averages the shards').
-LOSS_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "is_weight_mean", "is_masked_frac")
+LOSS_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "is_weight_mean", "is_masked_frac",
+              "entropy")
 
 
 def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.Tensor,
@@ -151,7 +155,8 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
     sample); gradients are accumulated over micro-batches so each step sees the whole batch.
     `temperature` is the one the samples were drawn at (their behaviour log-probs are taken at it).
     Returns one metrics dict per epoch: loss, clip fractions, ratio_mean (1.0 on the first pass
-    when the behaviour log-probs came from this model), kl (beta > 0), grad_norm, tokens, tokens_per_s.
+    when the behaviour log-probs came from this model), kl (beta > 0), entropy (the mean next-token entropy at the
+    sampled positions), grad_norm, tokens, tokens_per_s.
     """
     import torch
 
@@ -187,7 +192,7 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
         sums = dict.fromkeys(LOSS_STATS, 0.0) | {"loss": 0.0}
         for b in batches:
             _release_free_memory()
-            logp = b.logprobs(model, temperature)  # (b, T)
+            logp, entropy = b.logprobs(model, temperature, entropy=True)  # (b, T) each
             if b.old_logp is None:  # the first pass runs the weights the step started from
                 b.old_logp = logp.detach()
             weight, is_stats = is_weights(b.old_logp, b.behavior_logp, b.mask, config.correction)
@@ -196,7 +201,8 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
                                       eps_low=config.eps_low, eps_high=config.eps_high, ratio_cap=config.ratio_cap,
                                       ref_logp=b.ref_logp, beta=config.beta, aggregation=config.aggregation,
                                       max_tokens=max_tokens, loss_mode=config.loss_mode,
-                                      old_logp=b.old_logp if corrected else None, token_weight=weight if corrected else None)
+                                      old_logp=b.old_logp if corrected else None, token_weight=weight if corrected else None,
+                                      entropy=entropy, entropy_coef=config.entropy_coef)
             stats |= is_stats
             # Scale each micro-batch's mean so the accumulated sum is the mean over the whole batch.
             n = stats["num_tokens"]

@@ -133,6 +133,17 @@ def test_length_penalty(loss_mask, limit, expected, make_rollout) -> None:
     assert out.value == expected
 
 
+@pytest.mark.parametrize(("generated", "expected"), [(10, 0.0), (12, 0.0), (14, -0.5), (16, -1.0), (20, -1.0)])
+def test_the_soft_overlong_penalty_ramps_over_the_buffer(generated, expected, make_rollout) -> None:
+    # DAPO's soft overlong punishment, max 16 tokens, buffer 4: free up to 12, then (12 - n) / 4, -1 at the budget
+    spec = RewardSpec(fn="rewards.builtin.overlong_penalty", params={"max_tokens": 16, "buffer": 4})
+    [out] = compute(spec, [make_rollout([say("x")], loss_mask=[0] * 7 + [1] * generated)])
+    assert out.value == pytest.approx(expected) and out.details["generated_tokens"] == generated
+    [bad] = compute(RewardSpec(fn="rewards.builtin.overlong_penalty", params={"max_tokens": 16, "buffer": 0}),
+                    [make_rollout([say("x")])])
+    assert bad.value is None and "buffer" in bad.error
+
+
 READ_D12 = call("read", '{"doc_id": "d12"}', "call_1_0")
 
 
