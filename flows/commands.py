@@ -328,7 +328,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    "(retrain replays stored ones); without SFT or a first evaluation")
 
     p = sub.add_parser("stage", parents=[overrides], help="run one stage and print its artifact id")
-    p.add_argument("stage", choices=["sft", "rollout", "score", "grpo", "dpo", "evaluate"])
+    p.add_argument("stage", choices=["sft", "rollout", "score", "grpo", "dpo", "rm", "evaluate"])
     p.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
     p.add_argument("--policy", help="policy id (default/`base`: the config's base model)")
     p.add_argument("--rollouts", nargs="+", metavar="BATCH_ID", help="rollout batch ids (score, grpo, dpo)")
@@ -337,7 +337,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--step", type=int, default=0, help="which prompts (rollout): step k takes the k-th slice")
     p.add_argument("--split", default="train", help="task split (rollout)")
     p.add_argument("--prefect", action="store_true", help="run as a Prefect flow (default: directly, no server start)")
-    p.add_argument("--labels", action="store_true", help="dpo: train on people's labels (`rlops review`): the `human` "
+    p.add_argument("--labels", action="store_true", help="dpo, rm: train on people's labels (`rlops review`): the `human` "
                    "reward on the labelled batches (or --rollouts), so a person's ordering of a group gives the pairs")
     p.add_argument("--reviewer", help="with --labels: only this reviewer's labels")
 

@@ -30,6 +30,7 @@ from stages.update.config import GRPOConfig
 from stages.update.dpo import DPOConfig
 from stages.update.ppo import PPOConfig
 from stages.update.presets import ReinforcePPConfig, RLOOConfig
+from stages.update.rm import RMConfig
 
 if TYPE_CHECKING:
     from tasks.base import Task
@@ -83,6 +84,7 @@ class RunConfig(BaseModel):
     reinforce_pp: ReinforcePPConfig = ReinforcePPConfig()  # algorithm: reinforce_pp
     dpo: DPOConfig = DPOConfig()  # algorithm: dpo (online DPO), and `rlops stage dpo`
     ppo: PPOConfig = PPOConfig()  # algorithm: ppo (a learned critic, GAE per token or per turn)
+    rm: RMConfig = RMConfig()  # `rlops stage rm`: a learned reward model from preference pairs (stages/rm.py)
     dynamic_sampling: DynamicSampling = DynamicSampling()  # more groups when a step's are uninformative
     curriculum: Curriculum = Curriculum()  # prompts chosen by their past pass rates (flows/step_data.py)
     replay: Replay = Replay()  # a step without signal also trains on earlier batches that had some

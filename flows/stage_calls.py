@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from flows import pipeline
 from flows.run_config import RunConfig
-from stages import dpo, evaluate, grpo, rollout, score, sft
+from stages import dpo, evaluate, grpo, rm, rollout, score, sft
 from stages.common import ArtifactRef, StageContext, base_policy
 from rewards.base import RewardSpec
 from stages.reward_ref import RewardRef
 
-STAGES = ("sft", "rollout", "score", "grpo", "dpo", "evaluate")
+STAGES = ("sft", "rollout", "score", "grpo", "dpo", "rm", "evaluate")
 
 
 def resolve_policy_arg(cfg: RunConfig, ctx: StageContext, policy: str | None) -> str:
@@ -41,13 +41,16 @@ def call_stage(stage: str, cfg: RunConfig, ctx: StageContext, call: pipeline.Cal
             raise ValueError("grpo needs --rollouts BATCH_ID [...]")
         return call("grpo", grpo.run, cfg.grpo, ctx, parent_policy=resolve_policy_arg(cfg, ctx, policy),
                     batches=rollouts, reward=RewardRef.parse(reward or cfg.reward_name))
-    if stage == "dpo":  # the config's `dpo:` section, whatever its `algorithm:`
+    if stage in ("dpo", "rm"):  # the config's `dpo:` (`rm:`) section, whatever its `algorithm:`
         if labels:
             rollouts, ref = from_labels(ctx, rollouts, reviewer, call)
         elif not rollouts:
-            raise ValueError("dpo needs --rollouts BATCH_ID [...] (or --labels: the batches people labelled)")
+            raise ValueError(f"{stage} needs --rollouts BATCH_ID [...] (or --labels: the batches people labelled)")
         else:
             ref = RewardRef.parse(reward or cfg.reward_name)
+        if stage == "rm":  # a reward model on the base model (`--policy` names another base), not on a policy
+            return call("rm", rm.run, cfg.rm, ctx, base_policy=base_policy(ctx.ws, cfg.base_model) if policy in (None, "base")
+                        else policy, batches=rollouts, reward=ref)
         return call("dpo", dpo.run, cfg.dpo, ctx, parent_policy=resolve_policy_arg(cfg, ctx, policy),
                     batches=rollouts, reward=ref)
     if stage == "evaluate":

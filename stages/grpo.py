@@ -22,7 +22,8 @@ from stages.policy.vlm_episodes import load_vlm_for_update
 from stages.reward_ref import RewardRef
 from stages.update import workers
 from stages.update.config import GRPOConfig
-from stages.update.data import pixel_inputs, read_training_data, staleness
+from stages.update.data import pixel_inputs, read_scored, sampling_temperature, staleness, training_data
+from stages.update.distill import attach_teacher_logprobs, teacher_key
 from stages.update.train import load_for_update, make_optimizer, save_update
 from storage.checkpoints import local_copy
 from storage.images import ImageStore
@@ -54,9 +55,13 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
         else:  # the run's resident model, holding the parent's adapter (stages/policy/session.py)
             resident = ctx.session.for_update(base_model, parent_policy, adapter_dir, config.lora)
             model, optimizer = resident.model, make_optimizer(resident.model, adapter_dir, config)
-        data = read_training_data(ctx.ws, batches, reward, scale=config.scale, baseline=config.baseline,
-                                  skip_zero_variance=config.skip_zero_variance, vision=vision,
-                                  mask_truncated=config.mask_truncated)
+        rows = read_scored(ctx.ws, batches, reward, images=vision is not None)
+        if config.distill is not None:  # the teacher's log-probs, computed once per batch (stages/update/distill.py)
+            attach_teacher_logprobs(ctx.ws, config.distill, rows, sampling_temperature(rows))
+        data = training_data(rows, scale=config.scale, baseline=config.baseline, vision=vision,
+                             # a teacher's signal is per token: every group trains, whatever its rewards
+                             skip_zero_variance=config.skip_zero_variance and config.distill is None,
+                             mask_truncated=config.mask_truncated)
 
         result = workers.train(model, optimizer, data.samples, data.advantages, config, temperature=data.temperature,
                                ctx=ctx, base_model=base_model)
@@ -83,6 +88,7 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
             ctx.session.updated(resident, policy_id, stored=result.stored)
         return metrics
 
-    # The reward enters the id through `version`, keeping `inputs` a list of artifact ids.
+    # The reward enters the id through `version` (and a distillation teacher's identity: a model folder's content).
+    version = str(reward) + (f"|teacher={teacher_key(ctx.ws, config.distill.teacher)}" if config.distill else "")
     return run_stage(ctx, "grpo", "checkpoint", inputs=[parent_policy, *batches], config=config, body=body,
-                     version=str(reward), meta={"reward": str(reward)})
+                     version=version, meta={"reward": str(reward)})

@@ -72,13 +72,15 @@ def versions(config: ScoreConfig) -> dict[str, str]:
 
 def in_workspace(config: ScoreConfig, ws: Workspace) -> ScoreConfig:
     """`config` with what its rewards take from the workspace set where a function has the param and the spec leaves
-    it unset (`rewards.base.fill_params`): the judge's response cache (`cache_dir`, unversioned) and people's labels
+    it unset (`rewards.base.fill_params`): the judge's response cache (`cache_dir`, unversioned), the checkpoint folder
+    (`checkpoints_dir`, unversioned: `rewards.rm.learned` finds its reward model there) and people's labels
     (`labels`: rollout id -> reviewer -> value, the `human` reward's; versioned, so new labels are a new version).
 
     The one home of that context. The score stage fills it on every call; a pipeline fills it once at its start
     (flows/pipeline.py), so that every step's score stage and the version the update trains on
     (`RewardRef.configured`) see the same labels while someone keeps labelling. Filled params are kept."""
-    context: dict[str, Any] = {"cache_dir": str(ws.judge_cache_dir)}
+    context: dict[str, Any] = {"cache_dir": str(ws.judge_cache_dir),
+                               "checkpoints_dir": str(ws.settings.checkpoints_dir)}  # a learned reward model's (rewards/rm.py)
     if any(takes(s, "labels") and "labels" not in s.params for s in config.rewards):
         context["labels"] = label_values(ws)  # one query, only when a reward reads labels
     return config.model_copy(update={"rewards": [fill_params(s, **context) for s in config.rewards]})

@@ -19,6 +19,14 @@ from stages.policy.lora import LoRASettings
 Credit = Literal["token", "turn"]
 
 
+class Distill(BaseModel):
+    """`grpo.distill` (stages/update/distill.py): on-policy distillation from a teacher, per token."""
+
+    model_config = ConfigDict(extra="forbid")
+    teacher: str  # a checkpoint id of this workspace, or a model (name or folder) with the student's tokenizer
+    coef: float = Field(1.0, gt=0)  # weight of the per-token reverse-KL advantage beside GRPO's
+
+
 class GRPOConfig(BaseModel):
     """One GRPO update. Changing any field but the `Operational` ones changes the output checkpoint's id.
     The sampling temperature is not here: the rollouts record it, and the update uses theirs."""
@@ -76,4 +84,8 @@ class GRPOConfig(BaseModel):
     # DAPO's overlong filtering (arXiv 2503.14476): a rollout cut at the token budget (`truncated`) counts in its
     # group's statistics but is left out of the loss, so a reasoning cut short is not punished as if it were wrong.
     mask_truncated: bool = Added(False)
+    # On-policy distillation: each sampled token's advantage gains coef x (log p_teacher - log p_behaviour), the
+    # teacher's log-probs computed once per batch and stored (stages/update/distill.py). Every group trains, signal
+    # or not (the teacher's is per token).
+    distill: Distill | None = Added(None)
     lora: LoRASettings = Field(default_factory=LoRASettings)  # used only when the parent has no adapter

@@ -37,6 +37,8 @@ class Sample:
     # A vision-language policy's sample: its image tensors and suppressed ids (stages.policy.vlm.VisionInputs),
     # fed to the forward pass with the tokens; None for a text model.
     vision: Any = None
+    # The teacher's log-probs of the same tokens (on-policy distillation, stages/update/distill.py), else None.
+    teacher_logprobs: list[float] | None = None
 
 
 def visual_training_sample(policy: VLMPolicy, sample: VisualSample) -> Sample:
@@ -135,7 +137,9 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_ze
         pixels = vision(r) if vision is not None else None
         for a, b in bounds:
             if any(r["loss_mask"][a:b]):
-                samples.append(Sample(r["token_ids"][a:b], r["loss_mask"][a:b], r["behavior_logprobs"][a:b], pixels))
+                teacher = r.get("teacher_logprobs")
+                samples.append(Sample(r["token_ids"][a:b], r["loss_mask"][a:b], r["behavior_logprobs"][a:b], pixels,
+                                      teacher[a:b] if teacher is not None else None))
                 owner.append(j)
     n_groups, n_zero = len(set(groups)), len({g for g, z in zip(groups, zero.tolist()) if z})
     return TrainingData(samples, advantages[torch.tensor(owner, dtype=torch.long)], temperature, {

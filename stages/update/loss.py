@@ -164,7 +164,7 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO objective: a surrogate (`loss_mode`: `ppo_clip`, `gspo` or `cispo`, see `SURROGATES`) plus beta * k3 KL.
 
-    logp, behavior_logp, ref_logp, mask: (B, T); advantages: (B,). eps_high > eps_low is
+    logp, behavior_logp, ref_logp, mask: (B, T); advantages: (B,), or (B, T) per token. eps_high > eps_low is
     DAPO's clip-higher. ratio_cap truncates the ratio from above; with ratio_cap > 1 + eps_high
     that is dual-clip (https://arxiv.org/abs/1912.09729): a negative-advantage token's loss is
     bounded by ratio_cap * |A| and stops pushing. max_tokens is dr_grpo's constant normaliser
@@ -186,7 +186,8 @@ def policy_loss(
     # torch.where, not "* mask": 0 * inf = NaN, in the forward and in the gradient.
     logp = torch.where(mask, logp, zero)
     behavior_logp = torch.where(mask, behavior_logp.to(logp.dtype), zero)
-    adv = advantages.to(logp.dtype)[:, None]  # (B, 1)
+    adv = advantages.to(logp.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv  # (B, 1), or (B, T) per token (a distillation teacher's)
 
     anchor = behavior_logp if old_logp is None else torch.where(mask, old_logp.detach().to(logp.dtype), zero)
     per_token, ratio = SURROGATES[loss_mode](logp, logp - anchor, mask, adv, eps_low=eps_low,

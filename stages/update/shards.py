@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 TOKEN_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "is_weight_mean", "is_masked_frac",
-               "entropy")  # token-weighted means in train_on_batch
+               "entropy", "teacher_kl")  # token-weighted means in train_on_batch
 
 
 def autocast(device: Any) -> Any:
@@ -120,6 +120,8 @@ def train_shard(model: Any, common: dict[str, Any], shard: dict[str, Any], devic
         out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"]
         if config.beta <= 0:
             out.pop("kl")
+        if config.distill is None:
+            out.pop("teacher_kl")
         combined.append(out)
     return optimizer, combined
 

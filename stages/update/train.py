@@ -37,6 +37,7 @@ class _MicroBatch:
     # (b, T) the log-probs at the start of the step ("old"), kept from the first epoch's forward pass (no extra one)
     old_logp: torch.Tensor | None = None
     vision: Any = None  # the rows' image tensors (stages.policy.vlm.VisionInputs), for a vision-language policy
+    teacher_logp: torch.Tensor | None = None  # (b, T) a distillation teacher's log-probs (stages/update/distill.py)
 
     def logprobs(self, model: Any, temperature: float, entropy: bool = False) -> Any:
         """Per-token log-probs (b, T) of the rows at the scored positions (0 elsewhere); with `entropy`, the pair
@@ -115,7 +116,7 @@ def _micro_batches(samples: list[Sample], size: int, device: Any, max_tokens: in
                 blp[row, :n] = torch.tensor(s.behavior_logprobs[P:])
             prefix = torch.tensor(samples[idx[0]].token_ids[:P], device=device)
             out.append(_MicroBatch(torch.tensor(idx), ids.to(device), attn.to(device), mask.to(device), blp.to(device),
-                                   prefix=prefix))
+                                   prefix=prefix, teacher_logp=_teacher_rows(samples, idx, S, P, device)))
     lengths = [len(samples[i].token_ids) for i in alone]
     for local in _micro_batch_indices(lengths, size, max_tokens):
         idx = [alone[k] for k in local]
@@ -131,8 +132,21 @@ def _micro_batches(samples: list[Sample], size: int, device: Any, max_tokens: in
         mask[:, 0] = False  # the first token has no predecessor to score it from
         vision = _stack_vision([samples[i] for i in idx], device)
         out.append(_MicroBatch(torch.tensor(idx), ids.to(device), attn.to(device), mask.to(device), blp.to(device),
-                               vision=vision))
+                               vision=vision, teacher_logp=_teacher_rows(samples, idx, T, 0, device)))
     return out
+
+
+def _teacher_rows(samples: list[Sample], idx: list[int], width: int, skip: int, device: Any) -> Any:
+    """(len(idx), width) the samples' teacher log-probs from token `skip` on, right-padded; None without a teacher."""
+    import torch
+
+    if samples[idx[0]].teacher_logprobs is None:
+        return None
+    out = torch.zeros(len(idx), width)
+    for row, i in enumerate(idx):
+        values = samples[i].teacher_logprobs[skip:]
+        out[row, :len(values)] = torch.tensor(values)
+    return out.to(device)
 
 
 def _stack_vision(samples: list[Sample], device: Any) -> Any:
@@ -146,7 +160,7 @@ def _stack_vision(samples: list[Sample], device: Any) -> Any:
 
 # Per-token stats of the loss, averaged over the batch's scored tokens (stages.update.workers averages the shards').
 LOSS_STATS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "is_weight_mean", "is_masked_frac",
-              "entropy")
+              "entropy", "teacher_kl")
 
 
 def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages: torch.Tensor,
@@ -197,13 +211,14 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
                 b.old_logp = logp.detach()
             weight, is_stats = is_weights(b.old_logp, b.behavior_logp, b.mask, config.correction)
             corrected = config.correction.enabled
-            loss, stats = policy_loss(logp, b.behavior_logp, advantages[b.index.to(device)], b.mask,
+            adv, teacher_kl = _with_teacher(advantages[b.index.to(device)], b, config)
+            loss, stats = policy_loss(logp, b.behavior_logp, adv, b.mask,
                                       eps_low=config.eps_low, eps_high=config.eps_high, ratio_cap=config.ratio_cap,
                                       ref_logp=b.ref_logp, beta=config.beta, aggregation=config.aggregation,
                                       max_tokens=max_tokens, loss_mode=config.loss_mode,
                                       old_logp=b.old_logp if corrected else None, token_weight=weight if corrected else None,
                                       entropy=entropy, entropy_coef=config.entropy_coef)
-            stats |= is_stats
+            stats |= is_stats | {"teacher_kl": teacher_kl}
             # Scale each micro-batch's mean so the accumulated sum is the mean over the whole batch.
             n = stats["num_tokens"]
             weight = n / total_tokens if config.aggregation == "token_mean" else len(b.index) / len(samples)
@@ -214,13 +229,25 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
         optimizer.step()
         seconds = time.perf_counter() - start
-        metrics = {**{k: v for k, v in sums.items() if k != "kl_mean"},
+        left_out = {"kl_mean"} | ({"teacher_kl"} if config.distill is None else set())
+        metrics = {**{k: v for k, v in sums.items() if k not in left_out},
                    "clip_frac": sums["clip_frac_low"] + sums["clip_frac_high"], "grad_norm": grad_norm,
                    "tokens": total_tokens, "tokens_per_s": total_tokens / seconds}
         if config.beta > 0:
             metrics["kl"] = sums["kl_mean"]
         history.append(metrics)
     return history
+
+
+def _with_teacher(advantages: torch.Tensor, b: _MicroBatch, config: GRPOConfig) -> tuple[torch.Tensor, float]:
+    """The micro-batch's advantages: per sequence (b,), or with a distillation teacher per token (b, T), each sampled
+    token's plus coef x (log p_teacher - log p_behaviour); and the mean reverse-KL estimate (behaviour - teacher)."""
+    import torch
+
+    if config.distill is None or b.teacher_logp is None:
+        return advantages, 0.0
+    gap = torch.where(b.mask, b.teacher_logp - b.behavior_logp, torch.zeros((), device=b.mask.device))  # (b, T)
+    return advantages[:, None] + config.distill.coef * gap, float(-gap.sum() / b.mask.sum().clamp(min=1))
 
 
 def _train_without_dropout(model: Any) -> None:
