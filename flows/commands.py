@@ -72,6 +72,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prepare_cluster(cfg)  # before the temporary Prefect server: a run too big for its cluster fails in seconds
     ws_path = _workspace_path(args)
+    if args.fork_from:  # a --from naming no checkpoint fails here, before the temporary Prefect server starts
+        from flows.step_data import fork_point
+        from storage.workspace import Workspace
+
+        fork_point(Workspace.open(ws_path), args.fork_from)
     _prefect_env(ws_path)
     from flows.prefect_flows import run_here, train_flow
 

@@ -122,6 +122,9 @@ def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | No
     ws = ctx.ws
     cfg = with_workspace_context(cfg, ws)
     cluster.prepare(ctx.ray, ray_workers(cfg), overlapped=cfg.max_staleness > 0)
+    teacher = cfg.grpo.distill.teacher if cfg.grpo.distill else None
+    if teacher and teacher.startswith("ck-") and ws.catalog.get_checkpoint(teacher) is None:
+        raise KeyError(f"grpo.distill.teacher: no checkpoint {teacher} in this workspace")  # before any compute
     base = base_policy(ws, cfg.base_model)
     policy, sft_policy = start_policy or base, None
     if cfg.sft is not None and start_policy is None:

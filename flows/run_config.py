@@ -191,6 +191,9 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"score.rewards: {type(e).__name__}: {e}")
     if cfg.sft and cfg.sft.data != "oracle" and not Path(cfg.sft.data).expanduser().exists():
         problems.append(f"sft.data: file not found: {cfg.sft.data}")
+    teacher = cfg.grpo.distill.teacher if cfg.grpo.distill else None
+    if teacher and teacher.startswith((".", "/", "~")) and not Path(teacher).expanduser().is_dir():
+        problems.append(f"grpo.distill.teacher: folder not found: {teacher}")
     if cfg.base_model != DEFAULT_MODEL and cfg.base_model.startswith((".", "/", "~")) and not Path(cfg.base_model).expanduser().exists():
         # Whatever the task asks of the model cannot be checked without it: the folder is the one problem.
         return problems + [f"base_model: folder not found: {cfg.base_model}{_build_hint(cfg.base_model)}"]

@@ -97,6 +97,10 @@ INVALID = [
     ("grpo temperature (the rollouts record theirs)", _with(grpo__temperature=0.7), ["grpo.temperature"]),
     ("sft data missing", _with(sft={"data": "/nonexistent/demos.jsonl"}), ["sft.data: file not found"]),
     ("bad run name", _with(name="my run!"), ["name:"]),
+    ("distillation teacher missing", _with(grpo__distill={"teacher": "/nonexistent/teacher"}),
+     ["grpo.distill.teacher: folder not found"]),
+    ("curriculum and replay keys", _with(curriculum={"skip_solvd": 2}, replay={"max_age": 0}),
+     ["curriculum.skip_solvd: unknown key", "replay.max_age:"]),
 ]
 
 
