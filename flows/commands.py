@@ -68,15 +68,11 @@ def results_table(summary: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 @guard
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    from flows.pipeline import prepare_cluster
+    from flows import pipeline, step_data
 
-    prepare_cluster(cfg)  # before the temporary Prefect server: a run too big for its cluster fails in seconds
+    pipeline.prepare_cluster(cfg)  # before the temporary Prefect server: a run too big for its cluster fails fast
     ws_path = _workspace_path(args)
-    if args.fork_from:  # a --from naming no checkpoint fails here, before the temporary Prefect server starts
-        from flows.step_data import fork_point
-        from storage.workspace import Workspace
-
-        fork_point(Workspace.open(ws_path), args.fork_from)
+    step_data.check_fork(ws_path, args.fork_from)  # a --from naming no checkpoint fails before the Prefect server starts
     _prefect_env(ws_path)
     from flows.prefect_flows import run_here, train_flow
 
@@ -328,9 +324,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     cfg.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
 
     p = sub.add_parser("run", parents=[cfg], help="run (or resume) the whole pipeline under Prefect")
-    p.add_argument("--from", dest="fork_from", metavar="RUN@STEP", help="fork: start this run's lineage from a "
-                   "checkpoint of another run (RUN@STEP, RUN@latest or a checkpoint id), generating new rollouts "
-                   "(retrain replays stored ones); without SFT or a first evaluation")
+    p.add_argument("--from", dest="fork_from", metavar="RUN@STEP", help="fork: start this run's lineage at a checkpoint "
+                   "(RUN@STEP, RUN@latest or a checkpoint id), generating new rollouts; no SFT or first evaluation")
 
     p = sub.add_parser("stage", parents=[overrides], help="run one stage and print its artifact id")
     p.add_argument("stage", choices=["sft", "rollout", "score", "grpo", "dpo", "rm", "evaluate"])

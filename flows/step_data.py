@@ -150,6 +150,12 @@ def fork_point(ws: Workspace, spec: str) -> tuple[str, int]:
     return found[-1]["policy_id"], int(found[-1]["step"])
 
 
+def check_fork(workspace: Any, spec: str | None) -> None:
+    """Nothing for no `spec`; else `fork_point`'s KeyError when the workspace has no such checkpoint."""
+    if spec:
+        fork_point(Workspace.open(workspace), spec)
+
+
 def fork_record(spec: str, policy: str, step: int) -> dict[str, Any]:
     """What a forked run records of its origin (the `runs` row's config, MLflow tags)."""
     return {"forked_from": spec, "fork_policy": policy, "fork_step": step}
