@@ -1,7 +1,7 @@
 """What a GRPO update reads: the scored rollouts of some batches, turned into training samples and
 group-relative advantages.
 
-    data = read_training_data(ws, batches, RewardRef("correct", "1a2b..."), scale="group", baseline="mean")
+    data = training_data(read_scored(ws, batches, RewardRef("correct", "1a2b...")), scale="group", baseline="mean")
     data.samples, data.advantages, data.temperature, data.metrics
 
 Rows without a reward value (unscored, or the reward failed on them) are dropped before the group
@@ -150,14 +150,6 @@ def training_data(rows: list[dict[str, Any]], scale: str, baseline: str, skip_ze
         "dropped_null_rewards": float(len(rows) - len(scored)), "trained_rollouts": float(len(set(owner))),
         "trained_segments": float(len(samples)), "masked_truncated": float(masked),
     })
-
-
-def read_training_data(ws: Workspace, batches: list[str], reward: RewardRef, scale: str, baseline: str,
-                       skip_zero_variance: bool = True, vision: Callable[[dict[str, Any]], Any] | None = None,
-                       mask_truncated: bool = False) -> TrainingData:
-    """`training_data` over the scored rollouts of `batches` (reward must carry its version)."""
-    return training_data(read_scored(ws, batches, reward, images=vision is not None), scale, baseline,
-                         skip_zero_variance, vision, mask_truncated)
 
 
 def informative_groups(ws: Workspace, batches: list[str], reward: RewardRef) -> int:
