@@ -15,7 +15,7 @@ the task's unless given.
 
 Each function is called as verifiers calls it, by the names it takes: `prompt` and `completion` (verifiers'
 message objects: the prompt row's messages, and the stored conversation after them), `answer`, `info`, `task`,
-`example_id`, `state` (rebuilt from the rollout: what the environment stored in it, `vf_state`, plus prompt,
+`example_id`, the dataset row's other columns by their names, `state` (rebuilt from the rollout: what the environment stored in it, `vf_state`, plus prompt,
 completion, answer, info and one `trajectory` entry per assistant turn), `parser` and the rubric's other
 class objects; sync or async. Unlike verifiers (which logs and scores 0), a function that raises is an error
 row with the reason.
@@ -79,7 +79,7 @@ def _state(rollout: Rollout) -> dict[str, Any]:
     stored = [m.to_openai() for m in rollout.messages]
     completion = normalize_messages(stored[len(opening):], field_name="completion")
     assistant_turns = sum(1 for m in rollout.messages if m.role == "assistant")
-    state = State(input={k: vf[k] for k in ("prompt", "answer", "info", "example_id", "task") if k in vf})
+    state = State(input={k: vf[k] for k in ("prompt", "answer", "info", "example_id", "task", "columns") if k in vf})
     state.update(rollout.metadata.get("vf_state") or {})
     state.update({"prompt": normalize_messages(opening, field_name="prompt"), "completion": completion,
                   "answer": vf["answer"], "info": vf["info"], "example_id": vf["example_id"], "task": vf.get("task"),
@@ -89,7 +89,7 @@ def _state(rollout: Rollout) -> dict[str, Any]:
 
 
 def _objects(state: dict[str, Any], rubric: Any) -> dict[str, Any]:
-    return {"prompt": state["prompt"], "completion": state["completion"], "answer": state["answer"],
+    return {**state["input"].get("columns", {}), "prompt": state["prompt"], "completion": state["completion"], "answer": state["answer"],
             "state": state, "info": state["info"], "task": state["task"], "example_id": state["example_id"],
             **rubric.class_objects}
 

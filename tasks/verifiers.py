@@ -12,7 +12,7 @@
 
 The environment's dataset and eval dataset are the task's "train" and "test" prompts (no eval dataset: the
 train rows, as verifiers itself falls back), one prompt per row, id `vf-<split>-<example_id>`; the row's
-`prompt` messages, `answer`, `info` and `task` (if any) are kept in the prompt's metadata (`vf`), `answer` also at the
+`prompt` messages, `answer`, `info`, `task` (if any) and its other columns are kept in the prompt's metadata (`vf`), `answer` also at the
 top (the built-in rewards read it there). Each episode is the environment's own `rollout` (SingleTurnEnv,
 MultiTurnEnv's `env_response`/stop conditions, ToolEnv, StatefulToolEnv) with a verifiers client on the
 run's policy service (stages/service), which records every call token-exactly; the final conversation is
@@ -95,6 +95,9 @@ def row_prompt(env_label: str, split: str, row: dict[str, Any], identity: dict[s
           "example_id": jsonable(row.get("example_id"))}
     if row.get("task") is not None:
         vf["task"] = jsonable(row["task"])
+    # The row's other columns: verifiers passes them to the rubric's functions by name, and so does rlops.
+    vf["columns"] = {k: jsonable(v) for k, v in row.items()
+                     if k not in ("prompt", "answer", "info", "task", "example_id")}
     return Prompt(f"vf-{split}-{row.get('example_id')}", question,
                   {"answer": vf["answer"], "vf": vf, "env": identity})
 
@@ -255,7 +258,7 @@ async def _rollout(instance: Any, endpoint: Endpoint, prompt: Prompt, turns: lis
 
     openai_client = endpoint.async_client()
     vf = prompt.metadata["vf"]
-    row = {k: vf[k] for k in ("prompt", "answer", "info", "example_id", "task") if k in vf}
+    row = {**vf.get("columns", {}), **{k: vf[k] for k in ("prompt", "answer", "info", "example_id", "task") if k in vf}}
     try:
         return await instance.rollout(row, Counted(openai_client), endpoint.model, {})
     finally:

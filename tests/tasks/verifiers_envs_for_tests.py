@@ -32,8 +32,9 @@ def add(a: int, b: int) -> str:
     return str(a + b)
 
 
-def answered(parser, completion, answer) -> float:
-    """1 when the final reply holds the answer."""
+def answered(parser, completion, answer, question) -> float:
+    """1 when the final reply holds the answer (`question`: a dataset column, passed by its name)."""
+    assert question == QUESTION
     return 1.0 if answer in (parser.parse_answer(completion) or "") else 0.0
 
 
