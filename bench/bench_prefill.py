@@ -1,4 +1,5 @@
-"""Group prompt sharing: one prefill per distinct prompt (the G samples of a group) vs one per row.
+"""Prompt sharing in the HF backend: one prefill per distinct prompt (the G samples of a group) vs one per row,
+and (`--eval`) the common prefix of distinct prompts (the system prompt an evaluation's prompts share) run once.
 
 SmolLM2-135M-Instruct on CPU, 4 prompts x G=8 = 32 rows, a first turn sampled at T=1 from the same
 seed, with `HFBackend(share_prompts=True)` and `False`, alternating, in one process. Tasks:
@@ -9,6 +10,8 @@ and a sampled row can diverge where its uniform draw falls within rounding of a 
 the largest log-prob difference up to each row's first different token.
 
     .venv/bin/python bench/bench_prefill.py [--reps 3] [--threads 2]
+    .venv/bin/python bench/bench_prefill.py --eval   # the parity config's evaluation: 100 held-out prompts, greedy,
+                                                     # 32 new tokens, in the eval stage's calls of 32, prefix on vs off
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--eval", action="store_true", help="the common-prefix case (an evaluation) instead")
     args = parser.parse_args()
+    if args.eval:
+        return evaluation(args.reps, args.threads)
 
     import torch
 
@@ -70,6 +76,45 @@ def main() -> None:
               f"shared {med['shared']:.2f} s ({', '.join(f'{t:.2f}' for t in times['shared'])}); "
               f"speed-up {med['per-row'] / med['shared']:.2f}x; rows with other tokens {differ}/{len(a)} "
               f"(last rep), max |d logprob| up to each row's first different token {lp:.2e}", flush=True)
+
+
+def evaluation(reps: int, threads: int) -> None:
+    """The parity config's held-out evaluation as the eval stage generates it (100 distinct prompts, greedy, 32 new
+    tokens, calls of 32 rows): HFBackend with the common prefix prefilled once vs a full prefill per row."""
+    import torch
+
+    from stages.policy.chat import ChatFormat
+    from stages.policy.hf import HFBackend
+    from stages.policy.load import load_policy
+    from stages.policy.sampling import SamplingConfig
+    from storage.schema import Message
+    from tasks.base import load_task
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_policy("SmolLM2-135M-Instruct", device="cpu")
+    chat = ChatFormat(tokenizer)
+    task = load_task("arithmetic", {"digits": 2, "operators": "+", "n_train": 2000, "n_test": 100, "seed": 0})
+    prompts = [chat.encode(chat.render([Message(m["role"], m["content"]) for m in task.messages(p)], True))
+               for p in task.prompts("test")]
+    common = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=32)
+    backends = {"prefix once": HFBackend(model, tokenizer, share_prefix=True),
+                "full prefill": HFBackend(model, tokenizer, share_prefix=False)}
+    times: dict[str, list[float]] = {k: [] for k in backends}
+    outs: dict[str, list] = {}
+    for rep in range(reps + 1):  # rep 0 warms up
+        for name, backend in backends.items():
+            start = time.perf_counter()
+            outs[name] = [s for k in range(0, len(prompts), 32) for s in backend.generate(prompts[k:k + 32], sampling)]
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    differ = sum(x.token_ids != y.token_ids for x, y in zip(outs["prefix once"], outs["full prefill"]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"evaluation: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{common} of them common; full prefill {med['full prefill']:.2f} s "
+          f"({', '.join(f'{t:.2f}' for t in times['full prefill'])}), prefix once {med['prefix once']:.2f} s "
+          f"({', '.join(f'{t:.2f}' for t in times['prefix once'])}); speed-up "
+          f"{med['full prefill'] / med['prefix once']:.2f}x; rows with other tokens {differ}/{len(prompts)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     backend = HFBackend(model, tokenizer)
     samples = backend.generate(prompt_token_ids, SamplingConfig(temperature=1.0), seed=7)
 
-Left-padded batches, seeded, on CPU or GPU. Identical prompts in a batch are prefilled once; inside
+Left-padded batches, seeded, on CPU or GPU. Identical prompts in a batch are prefilled once, and so is the
+common prefix of distinct ones (a system prompt shared by an evaluation's prompts); inside
 `conversation()` an agent's next turn reuses its previous turn's key/value cache (stages/policy/kv_cache.py).
 Two logits processors ride along with `generate`: one records log_softmax(logits / T) at each sampled
 token (the definition in stages/policy/sampling.py; and the top k for rows that ask), one draws the
@@ -25,6 +26,10 @@ from stages.policy.sampling import RowOptions, Sample, SamplingConfig, decode_tu
 
 if TYPE_CHECKING:
     import torch
+
+# The shortest common prefix of distinct prompts run once for all of them (`HFBackend._prefix_prefill`): below it the
+# extra forward costs more than the columns it saves.
+MIN_SHARED_PREFIX = 16
 
 
 class _LogprobRecorder:
@@ -129,7 +134,8 @@ class _StepStreamer:
 class HFBackend:
     """Batched sampling with `transformers`' `generate` (left padding, seeded, CPU or GPU)."""
 
-    def __init__(self, model: Any, tokenizer: Any, share_prompts: bool = True, reuse_turns: bool = True) -> None:
+    def __init__(self, model: Any, tokenizer: Any, share_prompts: bool = True, reuse_turns: bool = True,
+                 share_prefix: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         # Identical prompts in a batch (the G samples of a group, on their first turn) are prefilled once
@@ -138,6 +144,8 @@ class HFBackend:
         # Inside `conversation()`, a prompt that extends a row of the previous call (an agent's next turn)
         # prefills only its new tokens (`_reuse_prefill`).
         self.reuse_turns = reuse_turns
+        # Distinct prompts that begin alike (a shared system prompt) prefill that prefix once (`_prefix_prefill`).
+        self.share_prefix = share_prefix
         self._kept: KeptCache | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
@@ -257,12 +265,15 @@ class HFBackend:
     def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
         """When rows repeat a prompt: run the distinct prompts (all but their last token) once and give
         every row a copy of its prompt's key/value cache (for `generate`, which then runs only the last
-        prompt token per row). None when every prompt is distinct."""
+        prompt token per row). When every prompt is distinct but they begin alike (`_prefix_prefill`): their
+        common prefix once. None when neither applies."""
         import torch
 
         first: dict[tuple[int, ...], int] = {}
         rows = [first.setdefault(tuple(ids), i) for i, ids in enumerate(prompts)]
-        if len(first) == len(prompts) or input_ids.shape[1] < 2:
+        if len(first) == len(prompts):
+            return self._prefix_prefill(prompts, input_ids.shape[1]) if self.share_prefix else None
+        if input_ids.shape[1] < 2:
             return None
         distinct = torch.tensor(sorted(first.values()), device=input_ids.device)  # (U,) first row of each prompt
         slot = {row: k for k, row in enumerate(distinct.tolist())}
@@ -273,6 +284,27 @@ class HFBackend:
         cache = getattr(out, cache_kwarg())
         cache.batch_select_indices(torch.tensor([slot[r] for r in rows], device=input_ids.device))  # (B, ...)
         return cache
+
+    def _prefix_prefill(self, prompts: list[list[int]], width: int) -> Any:
+        """Distinct prompts that begin with the same tokens (the system prompt, few-shot examples, a judge's
+        instructions: an evaluation's 100 held-out prompts): run that prefix once, as a batch of one, and lay its
+        keys and values into every row (`KeptCache.of_prefix`), so `generate` prefills only where the prompts
+        differ. The same tokens and log-probs as a full prefill, up to float rounding. None when the common
+        prefix is shorter than MIN_SHARED_PREFIX tokens (too little to be worth a forward of its own)."""
+        import torch
+
+        if len(prompts) < 2:
+            return None
+        n, shortest = 0, min(len(p) for p in prompts) - 1  # generate needs one prompt token per row
+        head = prompts[0]
+        while n < shortest and all(p[n] == head[n] for p in prompts):
+            n += 1
+        if n < MIN_SHARED_PREFIX:
+            return None
+        ids = torch.tensor([head[:n]], device=self.model.device)  # (1, n): positions 0..n-1, as in every row
+        out = self.model(input_ids=ids, use_cache=True)
+        kept = KeptCache.of_prefix(head[:n], getattr(out, cache_kwarg()))
+        return None if kept is None else kept.prefill(prompts, width)
 
     def _sample(self, ids: list[int], lps: list[float], sampling: SamplingConfig) -> Sample:
         """Cut one generated row where it really ended (EOS, stop string, or max length); the rest

@@ -34,6 +34,18 @@ class KeptCache:
             self.rows.append((np.asarray(ids[: length - start], dtype=np.int64), start))
         self.cache = cache
 
+    @classmethod
+    def of_prefix(cls, tokens: list[int], cache: Any) -> KeptCache | None:
+        """A kept cache of one row: `cache` holds the keys and values of `tokens` alone (batch 1, no padding), so
+        that `prefill` lays them into every prompt that begins with them. None for a cache `keep` would not reuse."""
+        import numpy as np
+
+        if not _plain(cache):
+            return None
+        kept = cls()
+        kept.cache, kept.rows = cache, [(np.asarray(tokens, dtype=np.int64), 0)]
+        return kept
+
     def prefill(self, prompts: list[list[int]], width: int) -> Any:
         """A cache for this batch built from the kept rows: each prompt's longest kept prefix, aligned so that
         only the last `new` columns of every row still need a forward pass; None when nothing is kept or

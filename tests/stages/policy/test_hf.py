@@ -110,6 +110,33 @@ def test_repeated_prompts_share_one_prefill(policy: tuple[Any, Any]) -> None:
         hook.remove()
 
 
+def test_distinct_prompts_share_the_prefill_of_their_common_prefix(policy: tuple[Any, Any]) -> None:
+    """Distinct prompts that begin alike (here the template's default system prompt, as an evaluation's prompts share
+    theirs): the common prefix is run once as a batch of one, then only the columns where they differ; the same
+    tokens and log-probs as a full prefill per row."""
+    from stages.policy.hf import MIN_SHARED_PREFIX
+
+    model, tokenizer = policy
+    batch = prompts(tokenizer)
+    common = next(i for i in range(min(map(len, batch))) if len({p[i] for p in batch}) > 1)
+    assert common >= MIN_SHARED_PREFIX and len({tuple(p) for p in batch}) == len(batch)
+    calls: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: calls.append(tuple(k["input_ids"].shape)), with_kwargs=True)
+    try:
+        for temperature in (0.0, 1.0):
+            sampling = SamplingConfig(temperature, max_new_tokens=6)
+            calls.clear()
+            shared = HFBackend(model, tokenizer, share_prompts=True).generate(batch, sampling, seed=5)
+            width, longest_tail = max(map(len, batch)), max(len(p) - common for p in batch)
+            assert calls[0] == (1, common) and calls[1] == (len(batch), longest_tail)
+            separate = HFBackend(model, tokenizer, share_prompts=False).generate(batch, sampling, seed=5)
+            assert [s.token_ids for s in shared] == [s.token_ids for s in separate]
+            for a, b in zip(shared, separate):
+                assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    finally:
+        hook.remove()
+
+
 def test_stop_strings_cut_where_generation_stopped(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     backend, batch = HFBackend(model, tokenizer), prompts(tokenizer)[:1]
@@ -199,7 +226,7 @@ def test_later_turns_reuse_the_previous_turns_cache(tiny_model_dir: Path) -> Non
         for reuse in (True, False):
             widths.clear()
             sampling = SamplingConfig(temperature=0.9, max_new_tokens=24, stop=("</tool_call>",))
-            backend = HFBackend(model, tokenizer, reuse_turns=reuse)
+            backend = HFBackend(model, tokenizer, reuse_turns=reuse, share_prefix=False)  # the turn cache alone
             runs[reuse] = (run_episodes(backend, tokenizer, task, specs, sampling, max_total_tokens=600), list(widths))
             assert backend._kept is None  # nothing is held once the episodes end
     finally:
