@@ -127,7 +127,7 @@ def test_distinct_prompts_share_the_prefill_of_their_common_prefix(policy: tuple
             sampling = SamplingConfig(temperature, max_new_tokens=6)
             calls.clear()
             shared = HFBackend(model, tokenizer, share_prompts=True).generate(batch, sampling, seed=5)
-            width, longest_tail = max(map(len, batch)), max(len(p) - common for p in batch)
+            longest_tail = max(len(p) - common for p in batch)
             assert calls[0] == (1, common) and calls[1] == (len(batch), longest_tail)
             separate = HFBackend(model, tokenizer, share_prompts=False).generate(batch, sampling, seed=5)
             assert [s.token_ids for s in shared] == [s.token_ids for s in separate]
