@@ -1,7 +1,10 @@
 """The data-parallel update's cost per step: 5 chained GRPO steps with `grpo.workers: 2` vs `grpo.workers: 1`, the
 same work, on the real two-node local cluster (tests/ray_cluster.py: a head with no CPUs, a worker node with 2).
 
-    nice -n 10 .venv/bin/python bench/bench_ddp.py [--model SmolLM2-135M-Instruct] [--steps 5]
+    nice -n 10 .venv/bin/python bench/bench_ddp.py [--model SmolLM2-135M-Instruct] [--steps 5] [--one-machine]
+
+`--one-machine`: no cluster of its own; chain 2's workers run on the Ray that rlops starts on this machine (no
+`ray.address`), beside the driver, as `grpo.workers: 2` on a laptop does.
 
 One scored rollout batch is made once, in this process (the base policy on `--prompts` arithmetic prompts x
 `--group` samples, 16 new tokens; reward: a length penalty, so nearly every group has signal). The workspace is
@@ -36,13 +39,19 @@ import loopback  # bench/loopback.py: run under .ci/loopback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main(model: str, steps: int, prompts: int, group: int) -> None:
+def main(model: str, steps: int, prompts: int, group: int, one_machine: bool = False) -> None:
+    import contextlib
+
     from tests.ray_cluster import LocalRayCluster
 
     # Ray starts its workers at niceness 15 unless told otherwise: give them this process's own, so that the
     # in-process update (chain 1) and the workers (chain 2) compete for a shared machine's CPUs on equal terms.
-    with LocalRayCluster(worker_cpus=2, env={"RAY_worker_niceness": str(os.nice(0))}) as cluster:
-        os.environ.update({k: cluster.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})  # before Ray is imported
+    os.environ["RAY_worker_niceness"] = str(os.nice(0))
+    cluster_cm = contextlib.nullcontext() if one_machine else \
+        LocalRayCluster(worker_cpus=2, env={"RAY_worker_niceness": str(os.nice(0))})
+    with cluster_cm as cluster:
+        if cluster is not None:  # before Ray is imported
+            os.environ.update({k: cluster.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
         import ray
 
         from rewards.base import RewardSpec
@@ -72,7 +81,8 @@ def main(model: str, steps: int, prompts: int, group: int) -> None:
         wall: dict[int, list[float]] = {1: [], 2: []}
         update: dict[int, list[float | None]] = {1: [], 2: []}
         train: dict[int, list[float]] = {1: [], 2: []}  # the optimizer step itself (the slowest rank's)
-        ray_cfg = RayConfig(address=cluster.address, placement_timeout_s=120)
+        breakdown: dict[int, dict[str, float]] = {}  # the 2-worker step's parts (stages/update/workers.py's timing)
+        ray_cfg = RayConfig(address=None if cluster is None else cluster.address, placement_timeout_s=120)
         for step in range(steps):
             for workers in (1, 2):
                 ctx = StageContext(spaces[workers], run_name=f"bench-w{workers}", ray=ray_cfg, session=sessions[workers])
@@ -88,6 +98,11 @@ def main(model: str, steps: int, prompts: int, group: int) -> None:
                 print(f"step {step + 1}, grpo.workers {workers}: grpo.run {wall[workers][-1]:.1f} s{shown}, "
                       f"training {train[workers][-1]:.1f} s, {metrics.get('trained_segments', 0):.0f} sequences, "
                       f"group start {metrics.get('update_group_start_seconds', float('nan')):.1f} s", flush=True)
+                if workers == 2:
+                    parts = {k[len("update_"):]: v for k, v in metrics.items()
+                             if k.startswith("update_") and k.endswith("_s")}
+                    breakdown[step] = parts
+                    print("    " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()), flush=True)
         assert lineage[1] == lineage[2], "the chains made other ids"  # workers is operational
         starts = _group_starts(spaces[2], lineage[2][1:])
         drift = _max_difference(spaces[1], spaces[2], lineage[1][-1])
@@ -112,6 +127,14 @@ def main(model: str, steps: int, prompts: int, group: int) -> None:
             u1, u2 = statistics.mean(update[1][sl]), statistics.mean(update[2][sl])
             line += f"; update {u1:.1f} s vs {u2:.1f} s = {u2 / u1:.2f}x"
         print(line)
+    if breakdown:
+        later = [b for i, b in breakdown.items() if i > 0] or list(breakdown.values())
+        keys = list(later[0])
+        means = {k: statistics.mean(b.get(k, 0.0) for b in later) for k in keys}
+        outside = statistics.mean(u - b["worker_train_s"] for u, b in zip(update[2][1:] or update[2], later)
+                                  if u is not None)
+        print("2 workers, mean over steps 2+: " + ", ".join(f"{k} {v:.3f} s" for k, v in means.items()))
+        print(f"2 workers: the update outside rank 0's training (update_seconds - worker_train_s): {outside:.2f} s")
     print(f"update worker groups started by the 2-worker chain: {starts}")
     print(f"max |adapter difference| between the chains' final checkpoints: {drift:.2e}")
 
@@ -147,6 +170,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--one-machine", action="store_true", help="workers on rlops' own local Ray, beside the driver")
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()}", flush=True)
-    main(args.model, args.steps, args.prompts, args.group)
+    main(args.model, args.steps, args.prompts, args.group, args.one_machine)

@@ -113,21 +113,27 @@ class UpdateWorker:
         from stages.policy.session import adapter_digest
         from stages.update.shards import cpu_state, train_shard
 
+        begin = time.perf_counter()
         resident = self.resident
         driver_names = set(common["state"])
         unexpected = resident.hold(common["peft_config"], common["state"])
         own = set(get_peft_model_state_dict(resident.model))
         if unexpected or own != driver_names:
             raise RuntimeError(f"the worker's adapter differs from the driver's: {sorted(own ^ driver_names)[:5]}")
+        held_at = time.perf_counter()
         try:
             optimizer, history = train_shard(resident.trainable(), common, shard, self.device)
         finally:
             resident.settle(None)  # activation checkpointing off, no grads kept between steps
+        trained_at = time.perf_counter()
         if self.rank != 0:
             return None, None
         state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(resident.model).items()}
-        return state, {"optimizer": cpu_state(optimizer.state_dict()), "history": history,
-                       "digest": adapter_digest(state)}
+        out = {"optimizer": cpu_state(optimizer.state_dict()), "history": history, "digest": adapter_digest(state)}
+        # Where rank 0's call went (bench/bench_ddp.py reports it): taking the driver's weights, training, handing back.
+        out["timing"] = {"worker_take_s": held_at - begin, "worker_train_s": trained_at - held_at,
+                         "worker_return_s": time.perf_counter() - trained_at}
+        return state, out
 
 
 @dataclass
@@ -193,13 +199,20 @@ class UpdateGroup:
 
         from stages.cluster import held
 
+        begin = time.perf_counter()
         common_ref = ray.put(common)  # one copy in the store, read by every rank
+        put_at = time.perf_counter()
         with held(self.workers, f"grpo.workers: {self.workers}", self.ray_config.placement_timeout_s, nodes=self.nodes):
+            held_at = time.perf_counter()
             calls = [a.step.options(num_returns=2).remote(common_ref, shard) for a, shard in zip(self.actors, shards)]
             self._wait([result for _, result in calls], f"in its step {self.steps + 1}")
+            ran_at = time.perf_counter()
         self.steps += 1
         state_ref, result = calls[0]
-        return state_ref, ray.get(result)
+        out = ray.get(result)
+        out["timing"] = {**out.get("timing", {}), "put_s": put_at - begin, "hold_s": held_at - put_at,
+                         "calls_s": ran_at - held_at, "release_s": time.perf_counter() - ran_at}
+        return state_ref, out
 
     def _wait(self, refs: list[Any], what: str) -> None:
         """Wait for every rank's call; on the first failure, give the others FAULT_GRACE_S to end, kill the group and

@@ -90,17 +90,22 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
     # untrainable adapter from it (issue 43: "the worker's adapter differs from the driver's" after an SFT step).
     peft_config = copy.deepcopy(model.peft_config[model.active_adapter])
     peft_config.inference_mode = False
+    begin = time.perf_counter()
     common = {"config": config, "temperature": temperature, "peft_config": peft_config,
               "state": {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()},
               "optimizer": cpu_state(optimizer.state_dict())}
     parts = shards(samples, advantages, config.workers, config.aggregation)
+    packed_at = time.perf_counter()
     failure: GroupFailure | None = None
     for attempt in (1, 2):
         group = None
         try:
             group, started = _group(ctx, base_model, config.workers)  # a group that fails to start fails like a step
+            stepped_at = time.perf_counter()
             state_ref, out = group.step(common, parts)
+            fetched_at = time.perf_counter()
             state = ray.get(state_ref)  # before a group of this update alone is stopped
+            fetched = time.perf_counter() - fetched_at
             break
         except GroupFailure as e:
             _forget(ctx, group)
@@ -117,8 +122,13 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
     if set_peft_model_state_dict(model, state).unexpected_keys:
         raise RuntimeError("the update workers returned LoRA weights the driver's adapter does not have")
     optimizer.load_state_dict(out["optimizer"])
+    # Where the step's time went outside the ranks' training (bench/bench_ddp.py): the driver's packing, Ray's put,
+    # the CPUs' placement group, rank 0's taking and returning of weights, the fetch, and applying them here.
+    timing = {"pack_s": packed_at - begin, "group_get_s": stepped_at - packed_at, **out.get("timing", {}),
+              "fetch_s": fetched, "apply_s": time.perf_counter() - fetched_at - fetched}
     for m in out["history"]:
-        m.update(update_group_start_seconds=group.start_seconds if started else 0.0, update_retries=float(attempt - 1))
+        m.update(update_group_start_seconds=group.start_seconds if started else 0.0, update_retries=float(attempt - 1),
+                 **{f"update_{k}": v for k, v in timing.items()})
     return UpdateResult(out["history"], (state_ref, out["digest"]), group.placements)
 
 

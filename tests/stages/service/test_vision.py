@@ -265,22 +265,35 @@ def test_rlops_serve_serves_a_vision_language_base(tmp_path, tiny_vlm, architect
     import time
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--base-model", str(tiny_vlm(architecture)), "--port",
-                             str(port), "--workspace", str(tmp_path / "ws"), "--image-root", str(image_root),
-                             "--max-images", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    import psutil
+
+    def start() -> tuple[subprocess.Popen, str] | None:
+        """The server on a free port, once it answers; None when the port was taken meanwhile (another test's
+        server got it between our probe and its bind: then what answers there is not ours, and ours exits)."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--base-model", str(tiny_vlm(architecture)),
+                                 "--port", str(port), "--workspace", str(tmp_path / "ws"), "--image-root",
+                                 str(image_root), "--max-images", "1"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        listening = psutil.Process(proc.pid)
+        for _ in range(600):  # until this process (not whatever else took the port) listens on it
+            if proc.poll() is not None:
+                out = proc.stdout.read().decode()
+                assert "address already in use" in out.lower(), out
+                return None
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in listening.net_connections("tcp")):
+                return proc, f"http://127.0.0.1:{port}"
+            time.sleep(0.2)
+        raise AssertionError("the server did not listen within 120 s")
+
+    started = start() or start() or start()
+    assert started is not None, "three free ports were taken before the server bound them"
+    proc, url = started
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/v1/models").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read().decode()
-                time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         image = {"type": "image_url", "image_url": {"url": "shot.png"}}  # a path under the image root
         r = client.chat.completions.create(model="base", max_tokens=3, messages=[{"role": "user", "content": [image]}])
