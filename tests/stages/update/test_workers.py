@@ -112,6 +112,11 @@ def test_a_resident_worker_group_of_two_matches_one_worker_step_after_step(tiny_
     (_, first), (_, second) = steps
     assert first.placements == second.placements and len(first.placements) == 2  # one group, started once
     assert first.history[0]["update_group_start_seconds"] > 0 and second.history[0]["update_group_start_seconds"] == 0
+    # where the second step's time went: rank 0's training is inside the ranks' calls, the group was the session's
+    timing = second.history[0]
+    assert 0 < timing["update_worker_train_s"] <= timing["update_calls_s"] and timing["update_group_get_s"] < 1.0
+    assert all(timing[f"update_{k}_s"] >= 0 for k in ("pack", "put", "hold", "release", "fetch", "apply",
+                                                        "worker_take", "worker_return"))
     after_one = dict(one.named_parameters())
     worst = max((p.detach() - after_one[n].detach()).abs().max().item()
                 for n, p in two.named_parameters() if p.requires_grad)
