@@ -15,10 +15,10 @@ the task's unless given.
 
 Each function is called as verifiers calls it, by the names it takes: `prompt` and `completion` (verifiers'
 message objects: the prompt row's messages, and the stored conversation after them), `answer`, `info`, `task`,
-`example_id`, the dataset row's other columns by their names, `state` (rebuilt from the rollout: what the environment stored in it, `vf_state`, plus prompt,
-completion, answer, info and one `trajectory` entry per assistant turn), `parser` and the rubric's other
-class objects; sync or async. Unlike verifiers (which logs and scores 0), a function that raises is an error
-row with the reason.
+`example_id`, the dataset row's other columns by their names, `state` (rebuilt from the rollout: what the
+environment stored in it, `vf_state`, plus prompt, completion, answer, info and one `trajectory` entry per
+assistant turn), `parser` and the rubric's other class objects; sync or async. Unlike verifiers (which logs
+and scores 0), a function that raises is an error row with the reason.
 
 The version of each reward covers, besides this module and the installed verifiers release, the rubric
 function's own code and whatever it reaches (rewards.reach: helpers, constants, an installed environment
@@ -89,9 +89,9 @@ def _state(rollout: Rollout) -> dict[str, Any]:
 
 
 def _objects(state: dict[str, Any], rubric: Any) -> dict[str, Any]:
-    return {**state["input"].get("columns", {}), "prompt": state["prompt"], "completion": state["completion"], "answer": state["answer"],
-            "state": state, "info": state["info"], "task": state["task"], "example_id": state["example_id"],
-            **rubric.class_objects}
+    return {**state["input"].get("columns", {}), "prompt": state["prompt"], "completion": state["completion"],
+            "answer": state["answer"], "state": state, "info": state["info"], "task": state["task"],
+            "example_id": state["example_id"], **rubric.class_objects}
 
 
 def _call(fn: Any, objects: dict[str, Any]) -> Any:

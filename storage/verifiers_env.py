@@ -32,7 +32,8 @@ def is_file(env: str) -> bool:
 
 
 def env_module(env: str) -> ModuleType:
-    """The environment's module: a file executed under a name unique to its path (again when its content changed), or an installed module imported by verifiers' own naming (`owner/my-env` -> `my_env`).
+    """The environment's module: a file executed under a name unique to its path (again when its content
+    changed), or an installed module imported by verifiers' own naming (`owner/my-env` -> `my_env`).
     ValueError when it cannot be found or imported."""
     no_telemetry()
     if is_file(env):

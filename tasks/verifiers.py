@@ -12,11 +12,12 @@
 
 The environment's dataset and eval dataset are the task's "train" and "test" prompts (no eval dataset: the
 train rows, as verifiers itself falls back), one prompt per row, id `vf-<split>-<example_id>`; the row's
-`prompt` messages, `answer`, `info`, `task` (if any) and its other columns are kept in the prompt's metadata (`vf`), `answer` also at the
-top (the built-in rewards read it there). Each episode is the environment's own `rollout` (SingleTurnEnv,
-MultiTurnEnv's `env_response`/stop conditions, ToolEnv, StatefulToolEnv) with a verifiers client on the
-run's policy service (stages/service), which records every call token-exactly; the final conversation is
-the prompt plus the state's `completion` (tool results and the environment's turns are not trained on).
+`prompt` messages, `answer`, `info`, `task` (if any) and its other columns are kept in the prompt's metadata
+(`vf`), `answer` also at the top (the built-in rewards read it there). Each episode is the environment's own
+`rollout` (SingleTurnEnv, MultiTurnEnv's `env_response`/stop conditions, ToolEnv, StatefulToolEnv) with a
+verifiers client on the run's policy service (stages/service), which records every call token-exactly; the
+final conversation is the prompt plus the state's `completion` (tool results and the environment's turns are
+not trained on).
 The state's JSON-able fields the environment set (a game's secret, a counter) are kept in the rollout's
 metadata (`vf_state`) for the rubric's functions at score time (rewards/verifiers.py), with the stop
 condition and the number of turns.
@@ -176,7 +177,8 @@ def make_task(env: str, env_args: dict[str, Any] | None = None, name: str = "ver
     async def episode(endpoint: Endpoint, prompt: Prompt) -> dict[str, Any]:
         return await play(instance, label, endpoint, prompt, timeout)
 
-    version = hashlib.sha256(canonical_json({"identity": identity, "rows": rows_hash.hexdigest()}).encode()).hexdigest()[:16]
+    version = hashlib.sha256(canonical_json({"identity": identity, "rows": rows_hash.hexdigest()}).encode()
+                             ).hexdigest()[:16]
     # The stage's own timeout is a backstop a little past the episode's: `play` reports the turn first.
     agent = AgentSpec(entry=f"verifiers:{env}", fn=episode, version=version, max_error_frac=max_error_frac,
                       episode_timeout=timeout + 10.0, form="prompt")

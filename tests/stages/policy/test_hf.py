@@ -89,10 +89,10 @@ def test_the_fast_sampler_draws_from_the_softmax(temperature: float) -> None:
     assert freq[4] == 0
 
 
-def test_repeated_prompts_share_one_prefill(policy: tuple[Any, Any]) -> None:
-    """A group's G copies of a prompt are prefilled once: the same tokens and log-probs as one prefill per row."""
-    model, tokenizer = policy
-    batch = [p for p in prompts(tokenizer) for _ in range(3)]  # 3 prompts x G=3, different lengths
+def shared_matches_full_prefill(model: Any, tokenizer: Any, batch: list[list[int]],
+                                first_calls: list[tuple[int, ...]]) -> None:
+    """Greedy and sampled: the shared prefill's first forward calls have the shapes `first_calls`, and it samples
+    the same tokens and log-probs as a full prefill per row (`share_prompts=False`)."""
     calls: list[tuple[int, ...]] = []
     hook = model.register_forward_pre_hook(lambda m, a, k: calls.append(tuple(k["input_ids"].shape)), with_kwargs=True)
     try:
@@ -100,14 +100,21 @@ def test_repeated_prompts_share_one_prefill(policy: tuple[Any, Any]) -> None:
             sampling = SamplingConfig(temperature, max_new_tokens=6)
             calls.clear()
             shared = HFBackend(model, tokenizer, share_prompts=True).generate(batch, sampling, seed=5)
-            width = max(map(len, batch))
-            assert calls[0] == (3, width - 1) and calls[1] == (9, 1)  # 3 distinct prompts, then one token per row
+            assert calls[: len(first_calls)] == first_calls
             separate = HFBackend(model, tokenizer, share_prompts=False).generate(batch, sampling, seed=5)
             assert [s.token_ids for s in shared] == [s.token_ids for s in separate]
             for a, b in zip(shared, separate):
                 assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
     finally:
         hook.remove()
+
+
+def test_repeated_prompts_share_one_prefill(policy: tuple[Any, Any]) -> None:
+    """A group's G copies of a prompt are prefilled once: the same tokens and log-probs as one prefill per row."""
+    model, tokenizer = policy
+    batch = [p for p in prompts(tokenizer) for _ in range(3)]  # 3 prompts x G=3, different lengths
+    width = max(map(len, batch))
+    shared_matches_full_prefill(model, tokenizer, batch, [(3, width - 1), (9, 1)])  # 3 prompts, then a token a row
 
 
 def test_distinct_prompts_share_the_prefill_of_their_common_prefix(policy: tuple[Any, Any]) -> None:
@@ -120,21 +127,8 @@ def test_distinct_prompts_share_the_prefill_of_their_common_prefix(policy: tuple
     batch = prompts(tokenizer)
     common = next(i for i in range(min(map(len, batch))) if len({p[i] for p in batch}) > 1)
     assert common >= MIN_SHARED_PREFIX and len({tuple(p) for p in batch}) == len(batch)
-    calls: list[tuple[int, ...]] = []
-    hook = model.register_forward_pre_hook(lambda m, a, k: calls.append(tuple(k["input_ids"].shape)), with_kwargs=True)
-    try:
-        for temperature in (0.0, 1.0):
-            sampling = SamplingConfig(temperature, max_new_tokens=6)
-            calls.clear()
-            shared = HFBackend(model, tokenizer, share_prompts=True).generate(batch, sampling, seed=5)
-            longest_tail = max(len(p) - common for p in batch)
-            assert calls[0] == (1, common) and calls[1] == (len(batch), longest_tail)
-            separate = HFBackend(model, tokenizer, share_prompts=False).generate(batch, sampling, seed=5)
-            assert [s.token_ids for s in shared] == [s.token_ids for s in separate]
-            for a, b in zip(shared, separate):
-                assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
-    finally:
-        hook.remove()
+    longest_tail = max(len(p) - common for p in batch)
+    shared_matches_full_prefill(model, tokenizer, batch, [(1, common), (len(batch), longest_tail)])
 
 
 def test_stop_strings_cut_where_generation_stopped(policy: tuple[Any, Any]) -> None:
