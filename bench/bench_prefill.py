@@ -54,14 +54,7 @@ def main() -> None:
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
         backends = {"shared": HFBackend(model, tokenizer, share_prompts=True),
                     "per-row": HFBackend(model, tokenizer, share_prompts=False)}
-        times: dict[str, list[float]] = {k: [] for k in backends}
-        outs = {}
-        for rep in range(args.reps + 1):  # rep 0 warms up
-            for name, backend in backends.items():
-                start = time.perf_counter()
-                outs[name] = backend.generate(prompts, sampling, seed=rep)
-                if rep:
-                    times[name].append(time.perf_counter() - start)
+        times, outs = alternate(backends, args.reps, lambda backend, rep: backend.generate(prompts, sampling, seed=rep))
         a, b = outs["shared"], outs["per-row"]
         differ = sum(x.token_ids != y.token_ids for x, y in zip(a, b))
         lp = 0.0  # over each row's common prefix: after a row's first different token the contexts differ
@@ -76,6 +69,20 @@ def main() -> None:
               f"shared {med['shared']:.2f} s ({', '.join(f'{t:.2f}' for t in times['shared'])}); "
               f"speed-up {med['per-row'] / med['shared']:.2f}x; rows with other tokens {differ}/{len(a)} "
               f"(last rep), max |d logprob| up to each row's first different token {lp:.2e}", flush=True)
+
+
+def alternate(backends: dict, reps: int, run) -> tuple[dict[str, list[float]], dict]:
+    """`run(backend, rep)` for each backend in turn, `reps` times after a warm-up round: (seconds per backend, the
+    last round's outputs per backend)."""
+    times: dict[str, list[float]] = {k: [] for k in backends}
+    outs: dict = {}
+    for rep in range(reps + 1):  # rep 0 warms up
+        for name, backend in backends.items():
+            start = time.perf_counter()
+            outs[name] = run(backend, rep)
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    return times, outs
 
 
 def evaluation(reps: int, threads: int) -> None:
@@ -100,14 +107,8 @@ def evaluation(reps: int, threads: int) -> None:
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=32)
     backends = {"prefix once": HFBackend(model, tokenizer, share_prefix=True),
                 "full prefill": HFBackend(model, tokenizer, share_prefix=False)}
-    times: dict[str, list[float]] = {k: [] for k in backends}
-    outs: dict[str, list] = {}
-    for rep in range(reps + 1):  # rep 0 warms up
-        for name, backend in backends.items():
-            start = time.perf_counter()
-            outs[name] = [s for k in range(0, len(prompts), 32) for s in backend.generate(prompts[k:k + 32], sampling)]
-            if rep:
-                times[name].append(time.perf_counter() - start)
+    times, outs = alternate(backends, reps, lambda backend, rep: [
+        s for k in range(0, len(prompts), 32) for s in backend.generate(prompts[k:k + 32], sampling)])
     differ = sum(x.token_ids != y.token_ids for x, y in zip(outs["prefix once"], outs["full prefill"]))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"evaluation: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "

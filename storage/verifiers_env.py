@@ -17,6 +17,8 @@ import linecache
 import logging
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -95,7 +97,8 @@ def load_env(env: str, env_args: dict[str, Any] | None = None) -> Any:
         if load is None:
             raise ValueError(f"the verifiers environment {env!r} has no load_environment(**kwargs)")
         try:
-            instance = load(**args)
+            with quiet_datasets():
+                instance = load(**args)
         except Exception as e:
             raise ValueError(f"{env!r}: load_environment({', '.join(f'{k}={v!r}' for k, v in args.items())}) "
                              f"failed: {type(e).__name__}: {e}") from e
@@ -105,6 +108,21 @@ def load_env(env: str, env_args: dict[str, Any] | None = None) -> Any:
         instance.env_id = instance.env_id or env
         cache[key] = instance
         return instance
+
+
+@contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """`datasets`' progress bars off for the block (an environment's `Dataset.map` calls would print a bar each on
+    the console of `rlops run`), as they were after it."""
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+
+    was = is_progress_bar_enabled()
+    disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            enable_progress_bar()
 
 
 def rubric_functions(rubric: Any) -> list[tuple[Any, float, Any]]:

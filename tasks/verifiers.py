@@ -48,7 +48,7 @@ from importlib import metadata as importlib_metadata
 from typing import Any
 
 from storage.ids import canonical_json
-from storage.verifiers_env import env_module, is_file, load_env, rubric_functions
+from storage.verifiers_env import env_module, is_file, load_env, quiet_datasets, rubric_functions
 from tasks.agent import Endpoint
 from tasks.base import AgentSpec, Prompt, Task
 
@@ -158,10 +158,12 @@ def make_task(env: str, env_args: dict[str, Any] | None = None, name: str = "ver
     identity = {"verifiers": verifiers_version(), "env": env, "env_args": env_args or {},
                 "code": code_fingerprint(env, instance), "settings": settings(instance)}
     try:
-        train = instance.get_dataset()
+        with quiet_datasets():  # verifiers formats the rows with Dataset.map
+            train = instance.get_dataset()
     except ValueError as e:
         raise ValueError(f"the verifiers environment {env!r} has no dataset: {e}") from e
-    test = instance.get_eval_dataset()
+    with quiet_datasets():
+        test = instance.get_eval_dataset()
     splits: dict[str, list[Prompt]] = {}
     rows_hash = hashlib.sha256()
     for split, dataset in (("train", train), ("test", test)):
