@@ -81,7 +81,7 @@ def _default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
-def row_prompt(env_label: str, split: str, row: dict[str, Any], identity: dict[str, Any]) -> Prompt:
+def row_prompt(split: str, row: dict[str, Any], identity: dict[str, Any]) -> Prompt:
     """One dataset row as a prompt: id from its example_id, the question its last user message's text."""
     messages = jsonable(row["prompt"])
     if isinstance(messages, str):
@@ -168,7 +168,7 @@ def make_task(env: str, env_args: dict[str, Any] | None = None, name: str = "ver
     rows_hash = hashlib.sha256()
     for split, dataset in (("train", train), ("test", test)):
         try:
-            splits[split] = [row_prompt(env, split, dict(row), identity) for row in dataset]
+            splits[split] = [row_prompt(split, dict(row), identity) for row in dataset]
         except (TypeError, ValueError, KeyError) as e:
             raise ValueError(f"{env!r}: a {split} row cannot be stored as a prompt ({type(e).__name__}: {e}); "
                              "its prompt, answer and info must be JSON values") from e
