@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stages import rollout as rollout_stage
 from stages import score as score_stage
-from stages.common import ArtifactRef, StageContext, run_stage
+from stages.common import ArtifactRef, Operational, StageContext, run_stage
 from stages.reward_ref import RewardRef
 from storage.schema import EvalRow, to_table
 
@@ -46,6 +46,11 @@ class EvalConfig(BaseModel):
     temperature: float = Field(0.0, ge=0.0)  # greedy: a stable number to compare checkpoints by
     metric: str | None = None  # reward name behind accuracy; None = the score config's total
     success_threshold: float = 1.0  # an episode "succeeds" when the metric reward reaches this
+    # Tokens one generate call may hold, each episode counted at the rollout's max_total_tokens: episodes per call =
+    # max(32, batch_tokens // max_total_tokens). Decoding on a CPU reads every weight once per step whatever the
+    # batch, so one call of the parity config's 100 short prompts takes 10.4 s where calls of 32 took 17.4 s
+    # (docs/BENCHMARKS.md); long agent episodes keep the 32. What is generated does not depend on it.
+    batch_tokens: int = Operational(32768, ge=1)
 
 
 def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_stage.TaskSpec,
@@ -53,10 +58,9 @@ def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_sta
     """Evaluate `policy_id`; returns the evals artifact (its rows are in the `evals` view)."""
     available = len(_task_prompts(task, config.split))
     n = min(config.n_prompts or available, available)
-    # Eval groups are small (often one greedy sample): batch ~32 episodes per generate call anyway.
     roll_cfg = rollout_config.model_copy(update={"temperature": config.temperature, "group_size": config.samples,
                                                  "prompts_per_step": n,
-                                                 "groups_per_shard": max(rollout_config.groups_per_shard, 32 // config.samples)})
+                                                 "groups_per_shard": groups_per_call(config, rollout_config)})
     batch = rollout_stage.run(roll_cfg, ctx, policy_id, task, split=config.split, step=0)
     score_config = score_stage.in_workspace(score_config, ctx.ws)  # the version scored is the one read below
     scored = score_stage.run(score_config, ctx, [batch.id])
@@ -72,6 +76,14 @@ def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_sta
                      {"eval": config, "metric": str(metric)}, body,
                      meta={"policy_id": policy_id, "split": config.split, "metric": str(metric),
                            "success_threshold": config.success_threshold, "rollouts": batch.id})
+
+
+def groups_per_call(config: EvalConfig, rollout_config: rollout_stage.RolloutConfig) -> int:
+    """Prompts (groups of `config.samples` episodes) an evaluation generates per call: as many as `batch_tokens` holds
+    at the rollout's max_total_tokens per episode, at least 32 episodes' worth (eval groups are small, often one
+    greedy sample), and never fewer than the rollout's own shards."""
+    episodes = max(32, config.batch_tokens // rollout_config.max_total_tokens)
+    return max(rollout_config.groups_per_shard, episodes // config.samples, 1)
 
 
 def _task_prompts(task: rollout_stage.TaskSpec, split: str) -> list:

@@ -32,6 +32,14 @@ if TYPE_CHECKING:
 MIN_SHARED_PREFIX = 16
 
 
+def _takes(model: Any, argument: str) -> bool:
+    """Whether the forward of `model` (or of the transformers model inside a peft wrapper) takes `argument`."""
+    import inspect
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return argument in inspect.signature(inner.forward).parameters
+
+
 class _LogprobRecorder:
     """A logits processor that records log_softmax(logits / T) at each sampled token, and for the rows
     that ask (`top_k[row] > 0`) the k most likely tokens of that same distribution.
@@ -147,6 +155,9 @@ class HFBackend:
         # Distinct prompts that begin alike (a shared system prompt) prefill that prefix once (`_prefix_prefill`).
         self.share_prefix = share_prefix
         self._kept: KeptCache | None = None
+        # A prefill run for its key/value cache alone needs no logits but the last position's: without this, the output
+        # layer ran on every prompt token (20 % of the parity config's prefill). The cache is the same either way.
+        self._cache_only = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 
@@ -280,7 +291,7 @@ class HFBackend:
         ids, mask = input_ids[distinct, :-1], attention_mask[distinct, :-1]  # (U, P-1)
         # Left padding: positions count real tokens only, as generate computes them from the mask.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **self._cache_only)
         cache = getattr(out, cache_kwarg())
         cache.batch_select_indices(torch.tensor([slot[r] for r in rows], device=input_ids.device))  # (B, ...)
         return cache
@@ -302,7 +313,7 @@ class HFBackend:
         if n < MIN_SHARED_PREFIX:
             return None
         ids = torch.tensor([head[:n]], device=self.model.device)  # (1, n): positions 0..n-1, as in every row
-        out = self.model(input_ids=ids, use_cache=True)
+        out = self.model(input_ids=ids, use_cache=True, **self._cache_only)
         kept = KeptCache.of_prefix(head[:n], getattr(out, cache_kwarg()))
         return None if kept is None else kept.prefill(prompts, width)
 

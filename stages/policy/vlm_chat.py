@@ -30,7 +30,6 @@ messages in order (`image_ids_of`): the order of their placeholders.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from pathlib import Path

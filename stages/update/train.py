@@ -39,7 +39,7 @@ class _MicroBatch:
     vision: Any = None  # the rows' image tensors (stages.policy.vlm.VisionInputs), for a vision-language policy
     teacher_logp: torch.Tensor | None = None  # (b, T) a distillation teacher's log-probs (stages/update/distill.py)
 
-    def logprobs(self, model: Any, temperature: float, entropy: bool = False) -> Any:
+    def logprobs(self, model: Any, temperature: float, entropy: bool | str = False) -> Any:
         """Per-token log-probs (b, T) of the rows at the scored positions (0 elsewhere); with `entropy`, the pair
         (log-probs, next-token entropies)."""
         from stages.policy.logprobs import shared_prefix_logprobs, token_logprobs, visual_token_logprobs
@@ -206,7 +206,8 @@ def train_on_batch(model: Any, optimizer: Any, samples: list[Sample], advantages
         sums = dict.fromkeys(LOSS_STATS, 0.0) | {"loss": 0.0}
         for b in batches:
             _release_free_memory()
-            logp, entropy = b.logprobs(model, temperature, entropy=True)  # (b, T) each
+            # (b, T) each; the entropy is differentiated only where the loss rewards it
+            logp, entropy = b.logprobs(model, temperature, entropy=True if config.entropy_coef > 0 else "detached")
             if b.old_logp is None:  # the first pass runs the weights the step started from
                 b.old_logp = logp.detach()
             weight, is_stats = is_weights(b.old_logp, b.behavior_logp, b.mask, config.correction)
