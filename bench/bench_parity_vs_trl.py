@@ -66,7 +66,7 @@ def greedy_accuracy(model: Any, tokenizer: Any) -> float:
     return sum(v is not None and abs(v - a) <= 1e-6 for v, a in ((last_number(r), a) for r, a in zip(replies, answers))) / len(answers)
 
 
-def trl_child(adapter_out: Path, result: Path, started: float) -> None:
+def trl_child(adapter_out: Path, result: Path, started: float, steps: int = STEPS) -> None:
     """TRL's whole run (see the module docstring); writes its evaluations and times to `result`."""
     from bench_vs_trl import GROUP, LORA_ALPHA, LORA_R, LORA_TARGETS, LR, MICRO_BATCH, PROMPTS, TEMPERATURE, train_prompts
     from datasets import Dataset
@@ -77,7 +77,7 @@ def trl_child(adapter_out: Path, result: Path, started: float) -> None:
     from rewards.builtin import last_number
     from stages.policy.model import prepare_default_model
 
-    task, prompts = train_prompts(PROMPTS * STEPS)
+    task, prompts = train_prompts(PROMPTS * steps)
     dataset = Dataset.from_list([{"prompt": task.messages(p), "answer": float(p.metadata["answer"])} for p in prompts])
     path = str(prepare_default_model())
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -107,7 +107,7 @@ def trl_child(adapter_out: Path, result: Path, started: float) -> None:
         num_generations=GROUP, generation_batch_size=PROMPTS * GROUP, max_completion_length=NEW_TOKENS,
         temperature=TEMPERATURE, top_p=1.0, beta=0.0, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=1.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
-        shuffle_dataset=False, logging_steps=1, report_to="none", use_cpu=True, bf16=False, max_steps=STEPS,
+        shuffle_dataset=False, logging_steps=1, report_to="none", use_cpu=True, bf16=False, max_steps=steps,
         save_strategy="no", disable_tqdm=True, seed=0)
     lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=path, reward_funcs=correct, args=config, train_dataset=dataset, peft_config=lora,
@@ -203,10 +203,11 @@ def main() -> None:
     ap.add_argument("--side", choices=["both", "rlops", "trl"], default="both")
     ap.add_argument("--workdir", default="/tmp/rlops-parity-vs-trl")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--trl-steps", type=int, default=STEPS, help="TRL's steps, alone (a quick check of its side)")
     args = ap.parse_args()
     if args.child:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        return trl_child(Path(args.child[0]), Path(args.child[1]), float(args.child[2]))
+        return trl_child(Path(args.child[0]), Path(args.child[1]), float(args.child[2]), args.trl_steps)
     from stages.policy.model import prepare_default_model
 
     prepare_default_model()  # converted once, before any timing
