@@ -3,6 +3,11 @@
 A synthetic batch (4 prompts x G=8, ~40 prompt tokens, 32 completion tokens, random
 advantages, behaviour log-probs from the model itself) and a fresh LoRA (r=16 on q/k/v/o);
 no generation, no storage. Run: `.venv/bin/python bench/bench_grpo_update.py [--steps 3] [--no-share-prompts]`.
+
+`--alternate`: activation checkpointing on and off, each with the entropy differentiated (entropy_coef 1e-30: nothing
+added to the loss) and only logged (entropy_coef 0, the default), taking turns in one process, `--steps` rounds after a
+warm-up; the median update of each (what issue 57 changed: the parity config trains without checkpointing, and the
+logged entropy has no backward). The four give the same update bit for bit (tests/stages/test_grpo.py).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import time
 import loopback  # bench/loopback.py: run under .ci/loopback
 
 
-def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: bool, share: bool) -> None:
+def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: bool, share: bool,
+         alternate: bool = False) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -52,6 +58,8 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
     advantages = torch.randn(len(samples))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
 
+    if alternate:
+        return alternated(model, optimizer, samples, advantages, config, steps)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {len(samples)} sequences "
           f"(prompt {prompt_len}-{prompt_len + prompts - 1} + {new_tokens} completion tokens), "
           f"micro_batch_size {micro_batch_size}, activation checkpointing {checkpointing}, shared prompts {share}, LoRA r={config.lora.r} on {','.join(config.lora.target_modules)}")
@@ -67,6 +75,28 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
     print(f"peak RSS {peak:.0f} MiB")
 
 
+def alternated(model, optimizer, samples, advantages, config, rounds: int) -> None:
+    """The four variants of the module docstring's `--alternate`, in turns; each one's median seconds per update."""
+    import statistics
+
+    from stages.update.train import train_on_batch
+
+    variants = {f"checkpointing {'on' if ckpt else 'off'}, entropy {'differentiated' if coef else 'logged'}":
+                config.model_copy(update={"activation_checkpointing": ckpt, "entropy_coef": coef})
+                for ckpt in (True, False) for coef in (1e-30, 0.0)}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for rnd in range(rounds + 1):  # round 0 warms up
+        for name, variant in variants.items():
+            start = time.perf_counter()
+            train_on_batch(model, optimizer, samples, advantages, variant, temperature=1.0)
+            if rnd:
+                times[name].append(time.perf_counter() - start)
+    base = statistics.median(times[next(iter(times))])
+    for name, t in times.items():
+        med = statistics.median(t)
+        print(f"{name}: median {med:.2f} s ({', '.join(f'{x:.2f}' for x in t)}), {base / med:.2f}x the first")
+
+
 if __name__ == "__main__":
     loopback.enter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,5 +105,7 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-activation-checkpointing", action="store_true")
     parser.add_argument("--no-share-prompts", action="store_true", help="run every sample's prompt (grpo.share_prompts off)")
+    parser.add_argument("--alternate", action="store_true", help="checkpointing on/off x entropy differentiated/logged, in turns")
     args = parser.parse_args()
-    main(args.steps, args.micro_batch_size, args.threads, not args.no_activation_checkpointing, not args.no_share_prompts)
+    main(args.steps, args.micro_batch_size, args.threads, not args.no_activation_checkpointing, not args.no_share_prompts,
+         args.alternate)

@@ -11,7 +11,8 @@ the largest log-prob difference up to each row's first different token.
 
     .venv/bin/python bench/bench_prefill.py [--reps 3] [--threads 2]
     .venv/bin/python bench/bench_prefill.py --eval   # the parity config's evaluation: 100 held-out prompts, greedy,
-                                                     # 32 new tokens, in the eval stage's calls of 32, prefix on vs off
+                                                     # 32 new tokens: calls of 32 with the prefix on and off, and
+                                                     # one call of 100 with it on (the eval stage's batch_tokens)
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def alternate(backends: dict, reps: int, run) -> tuple[dict[str, list[float]], d
 
 
 def evaluation(reps: int, threads: int) -> None:
-    """The parity config's held-out evaluation as the eval stage generates it (100 distinct prompts, greedy, 32 new
-    tokens, calls of 32 rows): HFBackend with the common prefix prefilled once vs a full prefill per row."""
+    """The parity config's held-out evaluation (100 distinct prompts, greedy, 32 new tokens): HFBackend with the common
+    prefix prefilled once vs a full prefill per row, in calls of 32 rows, and with the prefix once in one call of 100."""
     import torch
 
     from stages.policy.chat import ChatFormat
@@ -105,18 +106,20 @@ def evaluation(reps: int, threads: int) -> None:
                for p in task.prompts("test")]
     common = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=32)
-    backends = {"prefix once": HFBackend(model, tokenizer, share_prefix=True),
-                "full prefill": HFBackend(model, tokenizer, share_prefix=False)}
-    times, outs = alternate(backends, reps, lambda backend, rep: [
-        s for k in range(0, len(prompts), 32) for s in backend.generate(prompts[k:k + 32], sampling)])
-    differ = sum(x.token_ids != y.token_ids for x, y in zip(outs["prefix once"], outs["full prefill"]))
+    prefix, full = HFBackend(model, tokenizer, share_prefix=True), HFBackend(model, tokenizer, share_prefix=False)
+    # (backend, rows per generate call): calls of 32 were the eval stage's before issue 57; one call of all 100 is what
+    # its `batch_tokens` gives the parity config now
+    variants = {"full prefill": (full, 32), "prefix once": (prefix, 32), "prefix once, one call": (prefix, len(prompts))}
+    times, outs = alternate(variants, reps, lambda variant, rep: [
+        s for k in range(0, len(prompts), variant[1]) for s in variant[0].generate(prompts[k:k + variant[1]], sampling)])
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"evaluation: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{common} of them common; full prefill {med['full prefill']:.2f} s "
-          f"({', '.join(f'{t:.2f}' for t in times['full prefill'])}), prefix once {med['prefix once']:.2f} s "
-          f"({', '.join(f'{t:.2f}' for t in times['prefix once'])}); speed-up "
-          f"{med['full prefill'] / med['prefix once']:.2f}x; rows with other tokens {differ}/{len(prompts)}", flush=True)
-
+          f"{common} of them common, greedy, 32 new tokens", flush=True)
+    for name, t in times.items():
+        differ = sum(x.token_ids != y.token_ids for x, y in zip(outs[name], outs["full prefill"]))
+        print(f"  {name} ({variants[name][1]} rows per call): {med[name]:.2f} s ({', '.join(f'{x:.2f}' for x in t)}), "
+              f"{med['full prefill'] / med[name]:.2f}x the full prefill; rows with other tokens {differ}/{len(prompts)}",
+              flush=True)
 
 if __name__ == "__main__":
     loopback.enter()
