@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import loopback  # bench/loopback.py: run under .ci/loopback

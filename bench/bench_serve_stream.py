@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import loopback  # bench/loopback.py: run under .ci/loopback

