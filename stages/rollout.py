@@ -247,6 +247,10 @@ def run(config: RolloutConfig, ctx: StageContext, policy_id: str, task: TaskSpec
         refuse_unsupported(base_model, unsupported_with_vlm(backend=config.backend, task=task_obj, base_model=base_model))
     elif problem := task_policy_problem(task_obj, visual):
         raise ValueError(f"{base_model}: {problem}")
+    if config.dtype is not None and (visual or task_obj.agent is not None):  # before any compute
+        raise ValueError(f"rollout.dtype sets the weights the built-in agent loop samples with; {task.name}'s episodes "
+                         "run through " + ("the vision-language policy" if visual else "the policy service") +
+                         ", which keeps its own precision: leave rollout.dtype unset")
     stage_config = {"rollout": config,
                     "task": task.model_dump(), "split": split, "step": step,
                     "prompt_ids": [p.prompt_id for p in prompts], "task_content": content_digest(task_obj, prompts)}

@@ -163,3 +163,15 @@ def test_example_agent_trains_in_a_two_step_pipeline(tmp_path, tiny_model_dir):
     trained = [ws.catalog.get_artifact(p)["meta"]["metrics"].get("trained_segments", 0) for p in result.policies]
     assert sum(trained) >= 1  # a random tiny model's answers differ in length parity: groups with signal
     assert set(result.evals) == {result.base, *result.policies}
+
+
+def test_an_agent_task_refuses_a_sampling_dtype_it_would_not_use(tmp_path, tiny_model_dir):
+    """The policy service keeps its own precision: `rollout.dtype` with an agent task is an error before any compute,
+    not rows recorded as bf16 that were sampled in fp32."""
+    ws = Workspace.open(tmp_path / "ws")
+    task = rollout.TaskSpec(name="agent", params={"entry": "tests.stages.service.agents_for_tests:scripted",
+                                                  "prompts": str(_prompts(tmp_path / "p.jsonl", ["a"]))})
+    config = rollout.RolloutConfig(prompts_per_step=1, group_size=2, max_new_tokens=8, dtype="bfloat16")
+    with pytest.raises(ValueError, match="rollout.dtype sets the weights the built-in agent loop samples with"):
+        rollout.run(config, StageContext(ws), base_policy(ws, str(tiny_model_dir)), task)
+    assert ws.catalog.artifacts("rollouts") == []
