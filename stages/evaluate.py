@@ -46,10 +46,10 @@ class EvalConfig(BaseModel):
     temperature: float = Field(0.0, ge=0.0)  # greedy: a stable number to compare checkpoints by
     metric: str | None = None  # reward name behind accuracy; None = the score config's total
     success_threshold: float = 1.0  # an episode "succeeds" when the metric reward reaches this
-    # Tokens one generate call may hold, each episode counted at the rollout's max_total_tokens: episodes per call =
-    # max(32, batch_tokens // max_total_tokens). Decoding on a CPU reads every weight once per step whatever the
-    # batch, so one call of the parity config's 100 short prompts takes 10.4 s where calls of 32 took 17.4 s
-    # (docs/BENCHMARKS.md); long agent episodes keep the 32. What is generated does not depend on it.
+    # Tokens one generate call may hold, each episode counted at the rollout's max_total_tokens (`groups_per_call`).
+    # Decoding on a CPU reads every weight once per step whatever the batch, so one call of the parity config's 100
+    # short prompts takes 10.9 s where calls of 32 took 20.2 s (docs/BENCHMARKS.md); long agent episodes keep calls
+    # of 32. What is generated does not depend on it.
     batch_tokens: int = Operational(32768, ge=1)
 
 

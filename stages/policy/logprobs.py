@@ -133,8 +133,8 @@ def token_logprobs(
     The same holds for the two variants below.
 
     Works on a transformers causal LM or a peft-wrapped one (gradients reach the LoRA
-    weights). With gradients enabled each chunk is recomputed in backward
-    (activation checkpointing), so only (chunk_size, V) logits are alive at a time.
+    weights). With gradients enabled and the model's activation checkpointing on, each chunk is recomputed
+    in backward, so only (chunk_size, V) logits are alive at a time (off: kept, and computed once).
     """
     lm = _causal_lm(model)
     want = _scored_positions(attention_mask, positions_mask)  # (B, T)
