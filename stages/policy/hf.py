@@ -40,6 +40,24 @@ def _takes(model: Any, argument: str) -> bool:
     return argument in inspect.signature(inner.forward).parameters
 
 
+def _contiguous_head(model: Any) -> None:
+    """Hand the output layer a contiguous input when the model computes in bf16/fp16 (once per model).
+
+    generate's first step computes logits at the last position only: a (B, 1, d) slice of the (B, P, d) hidden states,
+    not contiguous. torch's matmul then takes its batched path, and for bf16 on a CPU that copies the output weight
+    once per row: (B, d, V) = 1.8 GB for 32 rows of SmolLM2, 5.6 GB for an evaluation's 100, ~7 s per call (measured;
+    docs/BENCHMARKS.md). A contiguous copy of the slice costs B x d values and takes the plain matrix product. fp32 is
+    left exactly as it was (its batched path copies nothing, and a different product would round differently)."""
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dtype not in (torch.bfloat16, torch.float16) or getattr(head, "_rlops_contiguous", False):
+        return
+    head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+    head._rlops_contiguous = True
+
+
 class _LogprobRecorder:
     """A logits processor that records log_softmax(logits / T) at each sampled token, and for the rows
     that ask (`top_k[row] > 0`) the k most likely tokens of that same distribution.
@@ -114,7 +132,10 @@ class _InverseCDFSampler:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
 
-        cdf = torch.softmax(scores.double() / self.temperature, dim=-1).cumsum(-1)  # (B, V)
+        z = scores.double()  # (B, V)
+        if self.temperature != 1.0:  # z / 1.0 is z: no pass over (B, V) for it
+            z = z / self.temperature
+        cdf = torch.softmax(z, dim=-1).cumsum(-1)  # (B, V)
         u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]  # (B, 1)
         pick = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # (B, 1): first cdf > u
         return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
@@ -158,6 +179,7 @@ class HFBackend:
         # A prefill run for its key/value cache alone needs no logits but the last position's: without this, the output
         # layer ran on every prompt token (20 % of the parity config's prefill). The cache is the same either way.
         self._cache_only = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
+        _contiguous_head(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 

@@ -131,6 +131,24 @@ def test_distinct_prompts_share_the_prefill_of_their_common_prefix(policy: tuple
     shared_matches_full_prefill(model, tokenizer, batch, [(1, common), (len(batch), longest_tail)])
 
 
+def test_a_half_precision_models_output_layer_gets_a_contiguous_input(tiny_model_dir: Path) -> None:
+    """generate's first step hands the output layer the last position of the prefilled columns, a slice; in bf16 that
+    slice is made contiguous (torch's batched product for it copied the output weight once per row: ~7 s for an
+    evaluation's 100 rows of SmolLM2), once per model however many backends it gets; fp32 is left as it was."""
+    seen: dict[str, list[bool]] = {}
+    for dtype in ("float32", "bfloat16"):
+        model, tokenizer = load_policy(str(tiny_model_dir), dtype=dtype)
+        head = model.get_output_embeddings()
+        backend = HFBackend(model, tokenizer)
+        HFBackend(model, tokenizer)
+        seen[dtype] = []
+        head.register_forward_pre_hook(lambda module, args, into=seen[dtype]: into.append(args[0].is_contiguous()))
+        backend.generate(prompts(tokenizer), SamplingConfig(temperature=0.0, max_new_tokens=3))
+        assert len(head._forward_pre_hooks) == (1 if dtype == "float32" else 2)  # the test's, and rlops' once
+    assert False in seen["float32"]  # the prefilled columns' last position: a slice, handed on as it is
+    assert len(seen["bfloat16"]) == len(seen["float32"]) and all(seen["bfloat16"])
+
+
 def test_stop_strings_cut_where_generation_stopped(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     backend, batch = HFBackend(model, tokenizer), prompts(tokenizer)[:1]
