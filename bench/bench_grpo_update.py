@@ -8,6 +8,10 @@ no generation, no storage. Run: `.venv/bin/python bench/bench_grpo_update.py [--
 added to the loss) and only logged (entropy_coef 0, the default), taking turns in one process, `--steps` rounds after a
 warm-up; the median update of each (what issue 57 changed: the parity config trains without checkpointing, and the
 logged entropy has no backward). The four give the same update bit for bit (tests/stages/test_grpo.py).
+
+`--autocast`: the parity config's update (checkpointing off, entropy logged) in fp32 and under torch's bf16 autocast on
+the CPU (weights stay fp32, matmuls run in bf16, on AMX where the CPU has it), in turns from the same start; the median
+of each and how far apart the two updates' LoRA weights land. Measured, not adopted (docs/BENCHMARKS.md: 1.01x).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import loopback  # bench/loopback.py: run under .ci/loopback
 
 
 def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: bool, share: bool,
-         alternate: bool = False) -> None:
+         alternate: bool = False, autocast: bool = False) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -60,6 +64,8 @@ def main(steps: int, micro_batch_size: int, threads: int | None, checkpointing: 
 
     if alternate:
         return alternated(model, optimizer, samples, advantages, config, steps)
+    if autocast:
+        return autocast_turns(model, optimizer, samples, advantages, config, steps)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {len(samples)} sequences "
           f"(prompt {prompt_len}-{prompt_len + prompts - 1} + {new_tokens} completion tokens), "
           f"micro_batch_size {micro_batch_size}, activation checkpointing {checkpointing}, shared prompts {share}, LoRA r={config.lora.r} on {','.join(config.lora.target_modules)}")
@@ -97,6 +103,41 @@ def alternated(model, optimizer, samples, advantages, config, rounds: int) -> No
         print(f"{name}: median {med:.2f} s ({', '.join(f'{x:.2f}' for x in t)}), {base / med:.2f}x the first")
 
 
+def autocast_turns(model, optimizer, samples, advantages, config, rounds: int) -> None:
+    """fp32 and bf16 autocast (`--autocast`), in turns from the same weights and optimizer state each round; each
+    one's median seconds per update, and the largest difference between the two updates' LoRA weights."""
+    import copy
+    import statistics
+
+    import torch
+
+    from contextlib import nullcontext
+
+    from stages.update.train import train_on_batch
+
+    config = config.model_copy(update={"activation_checkpointing": False, "entropy_coef": 0.0})
+    start_state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    times: dict[str, list[float]] = {"fp32": [], "bf16 autocast": []}
+    after: dict[str, dict[str, torch.Tensor]] = {}
+    for rnd in range(rounds + 1):  # round 0 warms up
+        for name, bf16 in (("fp32", False), ("bf16 autocast", True)):
+            model.load_state_dict(start_state[0])
+            optimizer.load_state_dict(start_state[1])
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
+                train_on_batch(model, optimizer, samples, advantages, config, temperature=1.0)
+            if rnd:
+                times[name].append(time.perf_counter() - start)
+            after[name] = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    base = statistics.median(times["fp32"])
+    for name, t in times.items():
+        med = statistics.median(t)
+        print(f"{name}: median {med:.2f} s ({', '.join(f'{x:.2f}' for x in t)}), {base / med:.2f}x fp32")
+    gap = max((after["fp32"][k] - after["bf16 autocast"][k]).abs().max().item() for k in after["fp32"])
+    moved = max((after["fp32"][k] - start_state[0][k]).abs().max().item() for k in after["fp32"])
+    print(f"LoRA weights after one update: max |fp32 - bf16| {gap:.2e} (the fp32 update moved them by up to {moved:.2e})")
+
+
 if __name__ == "__main__":
     loopback.enter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -106,6 +147,7 @@ if __name__ == "__main__":
     parser.add_argument("--no-activation-checkpointing", action="store_true")
     parser.add_argument("--no-share-prompts", action="store_true", help="run every sample's prompt (grpo.share_prompts off)")
     parser.add_argument("--alternate", action="store_true", help="checkpointing on/off x entropy differentiated/logged, in turns")
+    parser.add_argument("--autocast", action="store_true", help="fp32 and bf16 autocast, in turns")
     args = parser.parse_args()
     main(args.steps, args.micro_batch_size, args.threads, not args.no_activation_checkpointing, not args.no_share_prompts,
-         args.alternate)
+         args.alternate, args.autocast)
