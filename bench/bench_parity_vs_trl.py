@@ -1,6 +1,7 @@
 """The parity run, whole run to whole run, against TRL's GRPOTrainer doing the same training, back to back.
 
     .ci/loopback .venv/bin/python bench/bench_parity_vs_trl.py [--side both|rlops|trl] [--workdir /tmp/rlops-parity-vs-trl]
+        [--set rollout.dtype=bfloat16 ...]   # settings for rlops' run, as `rlops run --set` takes them
 
 - rlops: `rlops run configs/arithmetic_trl_parity.yaml` in a fresh workspace, as a user runs it (its own process:
   imports, the Prefect server, the model, 40 steps, greedy evaluations of 100 held-out prompts at steps 0, 20, 40).
@@ -119,12 +120,14 @@ def trl_child(adapter_out: Path, result: Path, started: float, steps: int = STEP
                                   "gradient_checkpointing": config.gradient_checkpointing}))
 
 
-def run_side(name: str, work: Path) -> dict[str, Any]:
-    """One side in its own process: its wall, its evaluations, and where its final adapter is."""
+def run_side(name: str, work: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One side in its own process: its wall, its evaluations, and where its final adapter is. `overrides`: rlops'
+    `--set` settings."""
     start = time.time()
     if name == "rlops":
         ws = work / "ws-rlops"
-        cmd = [str(ROOT / ".venv" / "bin" / "rlops"), "run", str(CONFIG), "--workspace", str(ws)]
+        cmd = [str(ROOT / ".venv" / "bin" / "rlops"), "run", str(CONFIG), "--workspace", str(ws),
+               *(a for o in overrides for a in ("--set", o))]
         result: dict[str, Any] = {}
     else:
         result_file, adapter = work / "trl.json", work / "trl-adapter"
@@ -204,6 +207,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/rlops-parity-vs-trl")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--trl-steps", type=int, default=STEPS, help="TRL's steps, alone (a quick check of its side)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting of rlops' run (repeatable)")
     args = ap.parse_args()
     if args.child:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -216,11 +220,12 @@ def main() -> None:
         subprocess.run(["rm", "-rf", str(work)], check=True)
     work.mkdir(parents=True)
     sides = ["trl", "rlops"] if args.side == "both" else [args.side]
-    results = {name: run_side(name, work) for name in sides}  # one after the other, nothing beside them
+    results = {name: run_side(name, work, tuple(args.set)) for name in sides}  # one after the other, nothing beside them
     for r in results.values():
         if "error" not in r:
             r["independent"] = independent(r["adapter"])
-    print(f"{os.cpu_count()} CPUs; {STEPS} steps, evaluations every {EVERY}, target {TARGET:.0%}")
+    print(f"{os.cpu_count()} CPUs; {STEPS} steps, evaluations every {EVERY}, target {TARGET:.0%}"
+          + (f"; rlops with {' '.join(args.set)}" if args.set else ""))
     report(results)
     (work / "results.json").write_text(json.dumps(results, indent=1))
 
