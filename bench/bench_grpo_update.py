@@ -108,10 +108,9 @@ def autocast_turns(model, optimizer, samples, advantages, config, rounds: int) -
     one's median seconds per update, and the largest difference between the two updates' LoRA weights."""
     import copy
     import statistics
+    from contextlib import nullcontext
 
     import torch
-
-    from contextlib import nullcontext
 
     from stages.update.train import train_on_batch
 
