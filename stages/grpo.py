@@ -39,6 +39,9 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
     batches = sorted(set(batches))
     reward = reward.resolve(ctx.ws, batches)
     visual = vision_language_base(ctx.ws, parent_policy)
+    if visual and config.dtype not in (None, "float32"):  # before any compute
+        raise ValueError("grpo.dtype sets a text model's base weights; a vision-language model trains in fp32: "
+                         "leave grpo.dtype unset")
 
     def body(policy_id: str, mlflow_run_id: str) -> dict[str, float]:
         ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.reward": str(reward)})  # which reward version this run trained on
@@ -53,7 +56,7 @@ def run(config: GRPOConfig, ctx: StageContext, parent_policy: str, batches: list
         elif ctx.session is None:
             model, optimizer = load_for_update(base_model, adapter_dir, config)
         else:  # the run's resident model, holding the parent's adapter (stages/policy/session.py)
-            resident = ctx.session.for_update(base_model, parent_policy, adapter_dir, config.lora)
+            resident = ctx.session.for_update(base_model, parent_policy, adapter_dir, config.lora, config.dtype)
             model, optimizer = resident.model, make_optimizer(resident.model, adapter_dir, config)
         rows = read_scored(ctx.ws, batches, reward, images=vision is not None)
         if config.distill is not None:  # the teacher's log-probs, computed once per batch (stages/update/distill.py)

@@ -11,7 +11,7 @@ compute the same thing, so artifact ids and results do not depend on it (tests/f
 
 - generation and training share one base model per (model, dtype, device): fp32 on CPU for both; on
   CUDA generation runs bf16 and the update fp32 (on a CPU too with `rollout.dtype: bfloat16`), so there are two,
-  each still loaded once;
+  each still loaded once (one again when `grpo.dtype` is bfloat16 too: the LoRA weights stay fp32 on either);
 - a base holds at most one peft LoRA adapter (`default`). Activating a policy copies its LoRA weights
   into it: from memory when this process trained them, else from the checkpoint's safetensors. An
   adapter with another LoRA shape (rank, targets) replaces the current one (`unload`, then a fresh
@@ -189,11 +189,15 @@ class PolicySession:
 
     def model(self, base_model: str, training: bool = False, dtype: str | None = None) -> ResidentModel:
         """The resident model for `base_model`: as `stages.policy.load.load_policy` loads it for generation (in
-        `dtype`, by default bf16 on CUDA and fp32 on CPU), or in fp32 for an update (the same one when both are fp32)."""
+        `dtype`, by default bf16 on CUDA and fp32 on CPU), or for an update (in `dtype`, by default fp32); one model
+        for both when their dtypes agree."""
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = "float32" if training else dtype or ("float32" if device == "cpu" else "bfloat16")
+        if training:
+            dtype = dtype or "float32"
+        else:
+            dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
         key = (base_model, device, dtype)
         if key not in self.models:
             from stages.policy.load import load_policy
@@ -208,10 +212,11 @@ class PolicySession:
         resident = self.model(base_model, dtype=dtype)
         return resident, resident.activate(policy_id, adapter_dir, self.trained.get(policy_id))
 
-    def for_update(self, base_model: str, parent_id: str, adapter_dir: str | None, lora: Any) -> ResidentModel:
-        """The resident fp32 model holding `parent_id`'s adapter (a fresh `lora` one when the parent has
-        none), ready to train; call `updated` (or `settle(None)` on failure) afterwards."""
-        resident = self.model(base_model, training=True)
+    def for_update(self, base_model: str, parent_id: str, adapter_dir: str | None, lora: Any,
+                   dtype: str | None = None) -> ResidentModel:
+        """The resident model (base weights fp32, or `dtype`: `grpo.dtype`) holding `parent_id`'s adapter (a fresh
+        `lora` one when the parent has none), ready to train; call `updated` (or `settle(None)` on failure) afterwards."""
+        resident = self.model(base_model, training=True, dtype=dtype)
         if adapter_dir is None:
             resident.fresh(lora)
         else:

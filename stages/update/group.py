@@ -88,7 +88,7 @@ class UpdateWorker:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, base_model: str, init_method: str) -> None:
+    def setup(self, base_model: str, init_method: str, dtype: str | None = None) -> None:
         """Load the base model (fp32) and join the process group (gloo on CPU, NCCL on a GPU)."""
         import torch
         import torch.distributed as dist
@@ -100,7 +100,7 @@ class UpdateWorker:
         if use_gpu:
             torch.cuda.set_device(0)
         self.device = torch.device("cuda" if use_gpu else "cpu")
-        self.resident = ResidentModel(load_base(base_model, self.device), tokenizer=None)
+        self.resident = ResidentModel(load_base(base_model, self.device, dtype), tokenizer=None)
         dist.init_process_group("nccl" if use_gpu else "gloo", init_method=init_method, rank=self.rank,
                                 world_size=self.world, timeout=COLLECTIVE_TIMEOUT)
 
@@ -152,7 +152,7 @@ class UpdateGroup:
         return len(self.actors)
 
     @classmethod
-    def start(cls, ray_config: RayConfig, base_model: str, workers: int) -> UpdateGroup:
+    def start(cls, ray_config: RayConfig, base_model: str, workers: int, dtype: str | None = None) -> UpdateGroup:
         """Place `workers` actors, load the base model in each and join them in one process group; stops
         whatever it started and raises GroupFailure (or the placement's RuntimeError) when that fails."""
         import ray
@@ -184,7 +184,7 @@ class UpdateGroup:
                                        f"resources {ray.cluster_resources()}, free {ray.available_resources()}") from None
                 group = cls(ray_config, actors, [p.split(":")[0] for p in placements], placements, 0.0)
                 init_method = ray.get(actors[0].rendezvous.remote())
-                group._wait([a.setup.remote(base_model, init_method) for a in actors], "while starting")
+                group._wait([a.setup.remote(base_model, init_method, dtype) for a in actors], "while starting")
             except BaseException:
                 for a in actors:
                     ray.kill(a)

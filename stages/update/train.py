@@ -285,9 +285,9 @@ def _release_free_memory() -> None:
 _malloc_trim: Any = None
 
 
-def load_base(base_model: str, device: Any) -> Any:
-    """The bare base model an update trains an adapter on, fp32 on `device`: a causal LM, or a vision-language
-    model's image-text-to-text model (`stages.policy.vlm.load_vlm_model`).
+def load_base(base_model: str, device: Any, dtype: str | None = None) -> Any:
+    """The bare base model an update trains an adapter on, fp32 (or `dtype`, `grpo.dtype`) on `device`: a causal
+    LM, or a vision-language model's image-text-to-text model (`stages.policy.vlm.load_vlm_model`, fp32).
     Not stages.policy.load.load_policy: training needs no tokenizer (tokens come from the rollouts),
     and wants fp32 weights on every device (load_policy picks bf16 on cuda)."""
     import torch
@@ -298,14 +298,17 @@ def load_base(base_model: str, device: Any) -> Any:
     if is_vision_language_model(base_model):
         return load_vlm_model(Path(base_model).expanduser()).to(device)
     with MODEL_LOADING:
-        return AutoModelForCausalLM.from_pretrained(resolve_model(base_model), dtype=torch.float32).to(device)
+        return AutoModelForCausalLM.from_pretrained(resolve_model(base_model),
+                                                    dtype=getattr(torch, dtype or "float32")).to(device)
 
 
-def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings) -> Any:
+def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings, dtype: str | None = None) -> Any:
+    """A trainable LoRA adapter (`adapter_dir`'s, or a fresh `lora` one) on the base model; peft keeps the adapter's
+    weights in fp32 over a bf16 base (its `autocast_adapter_dtype`)."""
     import torch
     from peft import PeftModel
 
-    model = load_base(base_model, "cuda" if torch.cuda.is_available() else "cpu")
+    model = load_base(base_model, "cuda" if torch.cuda.is_available() else "cpu", dtype)
     if adapter_dir is None:
         return add_lora(model, lora)
     with MODEL_LOADING:
@@ -315,7 +318,7 @@ def _load_trainable(base_model: str, adapter_dir: str | None, lora: LoRASettings
 def load_for_update(base_model: str, adapter_dir: str | None, config: GRPOConfig) -> tuple[Any, Any]:
     """The trainable policy (a fresh `config.lora` adapter on a bare base model) and its AdamW optimizer,
     continuing the parent step's Adam moments when the parent saved them."""
-    model = _load_trainable(base_model, adapter_dir, config.lora)
+    model = _load_trainable(base_model, adapter_dir, config.lora, config.dtype)
     return model, make_optimizer(model, adapter_dir, config)
 
 

@@ -100,7 +100,7 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
     for attempt in (1, 2):
         group = None
         try:
-            group, started = _group(ctx, base_model, config.workers)  # a group that fails to start fails like a step
+            group, started = _group(ctx, base_model, config.workers, config.dtype)  # a group that fails to start fails like a step
             stepped_at = time.perf_counter()
             state_ref, out = group.step(common, parts)
             fetched_at = time.perf_counter()
@@ -132,26 +132,26 @@ def _train_distributed(model: Any, optimizer: Any, samples: list[Sample], advant
     return UpdateResult(out["history"], (state_ref, out["digest"]), group.placements)
 
 
-def _group(ctx: StageContext, base_model: str, workers: int) -> tuple[Any, bool]:
-    """(the update worker group for `base_model`, whether it started now): the session's (started on first use,
-    stopped when the session closes), or a new one the caller stops."""
+def _group(ctx: StageContext, base_model: str, workers: int, dtype: str | None = None) -> tuple[Any, bool]:
+    """(the update worker group for `base_model` in `dtype`, whether it started now): the session's (started on first
+    use, stopped when the session closes), or a new one the caller stops."""
     from stages.update.group import UpdateGroup
 
     if ctx.session is None:
-        return UpdateGroup.start(ctx.ray, base_model, workers), True
+        return UpdateGroup.start(ctx.ray, base_model, workers, dtype), True
     started = []
 
     def start() -> UpdateGroup:
-        group = UpdateGroup.start(ctx.ray, base_model, workers)
+        group = UpdateGroup.start(ctx.ray, base_model, workers, dtype)
         ctx.session.on_close(group.stop)
         started.append(group)
         return group
 
-    return ctx.session.keep(_group_key(base_model, workers), start), bool(started)
+    return ctx.session.keep(_group_key(base_model, workers, dtype), start), bool(started)
 
 
-def _group_key(base_model: str, workers: int) -> tuple:
-    return ("update-group", base_model, workers)
+def _group_key(base_model: str, workers: int, dtype: str | None = None) -> tuple:
+    return ("update-group", base_model, workers, dtype or "float32")
 
 
 def _forget(ctx: StageContext, group: Any) -> None:
