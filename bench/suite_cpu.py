@@ -31,7 +31,8 @@ TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 KINDS = [  # (kind, pattern on the command line): the first that matches
     ("rlops CLI", r"flows\.cli|bin/rlops"), ("Prefect server", r"prefect.server.api.server|prefect server start"),
     ("Ray worker", r"^ray::|default_worker\.py"), ("Ray daemons", r"raylet|gcs_server|ray start|dashboard|runtime_env"),
-    ("pytest", r"pytest|execnet|xdist"), ("chromium", r"chrom"), ("vLLM", r"vllm"), ("moto", r"moto"),
+    ("pytest", r"pytest|execnet|xdist|sys\.stdin\.readline"),  # an xdist worker is execnet's `python -c ...`
+    ("chromium", r"chrom"), ("vLLM", r"vllm"), ("moto", r"moto"),
     ("node", r"^node|/node "), ("uvicorn", r"uvicorn"), ("mlflow", r"mlflow"), ("other python", r"python"),
 ]
 
