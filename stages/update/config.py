@@ -45,8 +45,8 @@ class GRPOConfig(BaseModel):
     # memory for ~1/3 more compute. Numerics are unchanged, so it is not part of the checkpoint id.
     activation_checkpointing: bool = Operational(True)
     # The frozen base model's weights during the update (None: float32). "bfloat16" keeps the LoRA weights, their
-    # gradients, AdamW and the log-softmax in fp32 over a bf16 base: on a CPU with AMX/AVX512-BF16 an update ~1.25x
-    # faster (docs/BENCHMARKS.md). Other numerics, so part of the checkpoint id when set. With `rollout.dtype:
+    # gradients, AdamW and the log-softmax in fp32 over a bf16 base: on a CPU with AMX/AVX512-BF16 one update
+    # 1.12-1.31x faster, no gain measured on a whole run (docs/BENCHMARKS.md). Other numerics, so part of the checkpoint id when set. With `rollout.dtype:
     # bfloat16` a run's generation and update then share one resident model.
     dtype: Literal["float32", "bfloat16"] | None = Added(None)
     # Data-parallel workers (the resident update worker group, stages/update/group.py); the update equals one worker's

@@ -89,7 +89,7 @@ class UpdateWorker:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def setup(self, base_model: str, init_method: str, dtype: str | None = None) -> None:
-        """Load the base model (fp32) and join the process group (gloo on CPU, NCCL on a GPU)."""
+        """Load the base model (fp32, or `dtype`: `grpo.dtype`) and join the process group (gloo on CPU, NCCL on a GPU)."""
         import torch
         import torch.distributed as dist
 

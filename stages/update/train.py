@@ -289,7 +289,7 @@ def load_base(base_model: str, device: Any, dtype: str | None = None) -> Any:
     """The bare base model an update trains an adapter on, fp32 (or `dtype`, `grpo.dtype`) on `device`: a causal
     LM, or a vision-language model's image-text-to-text model (`stages.policy.vlm.load_vlm_model`, fp32).
     Not stages.policy.load.load_policy: training needs no tokenizer (tokens come from the rollouts),
-    and wants fp32 weights on every device (load_policy picks bf16 on cuda)."""
+    and wants fp32 weights on every device unless `grpo.dtype` says otherwise (load_policy picks bf16 on cuda)."""
     import torch
     from transformers import AutoModelForCausalLM
 
