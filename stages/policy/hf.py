@@ -77,6 +77,7 @@ class _LogprobRecorder:
         self._top_rows = [r for r, k in enumerate(top_k or []) if k > 0]
         self._k = max(top_k or [0])
         self._top: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step, (R, k) log-probs and ids
+        self._norm: torch.Tensor | None = None  # (B,) float64 log-normaliser the sampler found this step (`normaliser`)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._scores is not None:
@@ -85,9 +86,26 @@ class _LogprobRecorder:
         self._scores = scores
         return scores
 
+    def normaliser(self, norm: torch.Tensor) -> None:
+        """logsumexp(z / T) per row (B,), float64, as this step's sampler computed it on its way to the draw: the
+        recorder then reads only the picked (and top) tokens' scores, no pass of its own over (B, V). Every row's
+        log-prob is the same float64 difference whatever the other rows ask, so a free row records the same bits
+        in a batch with top-logprob rows as without."""
+        self._norm = norm
+
     def _collect(self, tokens: torch.Tensor) -> None:
         import torch
 
+        norm, self._norm = self._norm, None
+        if norm is not None:  # the sampler's: z in float64, as it drew from it
+            z = self._scores.gather(1, tokens[:, None]).squeeze(1).double()  # (B,)
+            self._logprobs.append(((z / self.temperature if self.temperature != 1.0 else z) - norm).float())
+            if self._top_rows:
+                rows = torch.tensor(self._top_rows, device=norm.device)
+                values, ids = self._scores[rows].topk(self._k, dim=-1)  # (R, k), best first
+                values = values.double() / self.temperature if self.temperature != 1.0 else values.double()
+                self._top.append(((values - norm[rows, None]).float().cpu(), ids.cpu()))
+            return
         z = self._scores.float()  # (B, V)
         if self.temperature != 1.0:
             z = z / self.temperature
@@ -124,21 +142,39 @@ class _InverseCDFSampler:
     the cumulative softmax (float64). `torch.multinomial` over SmolLM2's 49k vocabulary costs ~30 ms per
     decoding step for 32 rows on 2 CPU cores (a sixth of generation), most of it drawing random numbers
     for the whole vocabulary; this draws one per row. Seeded by the global RNG, as generate's sampling is.
-    Used when top_p == 1 (no truncation to implement)."""
+    Used when top_p == 1 (no truncation to implement).
 
-    def __init__(self, temperature: float) -> None:
+    The cumulative sum is of exp(z - max) unnormalised, in place, and the uniform is scaled by its total: the same
+    draw as against the normalised softmax's, in 4 passes over (B, V) instead of ~8. Given the `recorder`, it hands
+    it each row's log-normaliser (max + log total), so the recorder needs no pass of its own: 10-12 -> ~2 ms per
+    decoding step for (32, 49152) (docs/BENCHMARKS.md)."""
+
+    def __init__(self, temperature: float, recorder: _LogprobRecorder | None = None) -> None:
         self.temperature = temperature
+        self.recorder = recorder
+        # (B, V) float64 work space and the (B, V) row handed to generate, kept across the steps of a call: a fresh
+        # 12 MB tensor per step cost page faults that measured as much as the passes themselves.
+        self._cdf: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
 
-        z = scores.double()  # (B, V)
+        if self._cdf is None or self._cdf.shape != scores.shape or self._cdf.device != scores.device:
+            self._cdf = torch.empty(scores.shape, dtype=torch.float64, device=scores.device)
+            self._out = torch.empty_like(scores)
+        cdf = self._cdf.copy_(scores)  # (B, V) z in float64
         if self.temperature != 1.0:  # z / 1.0 is z: no pass over (B, V) for it
-            z = z / self.temperature
-        cdf = torch.softmax(z, dim=-1).cumsum(-1)  # (B, V)
-        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+            cdf.div_(self.temperature)
+        top = cdf.amax(-1, keepdim=True)  # (B, 1)
+        cdf.sub_(top).exp_().cumsum_(-1)  # cumulative unnormalised softmax
+        total = cdf[:, -1:]  # (B, 1)
+        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * total  # (B, 1)
         pick = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # (B, 1): first cdf > u
-        return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
+        if self.recorder is not None:
+            self.recorder.normaliser((top + total.log()).squeeze(1))
+        # generate takes its argmax at once and keeps nothing of it, so one buffer serves every step
+        return self._out.fill_(float("-inf")).scatter_(1, pick, 0.0)
 
 
 class _StepStreamer:
@@ -220,7 +256,7 @@ class HFBackend:
             processors.insert(0, masker)
         fast = not greedy and sampling.top_p >= 1.0  # sample in our processor, let generate take its pick
         if fast:
-            processors.append(_InverseCDFSampler(sampling.temperature))
+            processors.append(_InverseCDFSampler(sampling.temperature, recorder))
         kwargs: dict[str, Any] = dict(
             do_sample=not greedy and not fast,
             temperature=1.0 if greedy or fast else sampling.temperature,

@@ -334,7 +334,7 @@ class VLMPolicy:
         vision = self.vision_inputs(image_ids)
         greedy = sampling.temperature == 0
         recorder = _LogprobRecorder(1.0 if greedy else sampling.temperature)
-        processors: list[Any] = [recorder] + ([] if greedy else [_InverseCDFSampler(sampling.temperature)])
+        processors: list[Any] = [recorder] + ([] if greedy else [_InverseCDFSampler(sampling.temperature, recorder)])
         device = self.model.device
         ids = torch.tensor([prompt] * n, device=device)  # (n, P)
         extra = vision.repeat(n).to(device).model_inputs(ids)

@@ -327,3 +327,44 @@ def test_an_adopted_cache_reserves_one_turn_of_room_not_a_second_copy() -> None:
         assert keys.data_ptr() == pointer
     keys, _ = grown.update(step, step, 0)  # full: a buffer of its own doubles
     assert layer._keys.shape[-2] == 2 * (320 + layer.reserve) and keys.shape[-2] == 320 + layer.reserve + 1
+
+
+def test_the_fast_sampler_hands_the_recorder_its_picks_log_probs() -> None:
+    """With the recorder given, the sampler hands it each row's log-normaliser: the recorded log-probs are
+    log_softmax(z / T) at the picked tokens, and the recorder reads only those tokens' scores (no pass over (B, V)).
+    A row asking for its top tokens gets them, the picked one with the very log-prob recorded for it, and the other
+    rows record the same bits as without it."""
+    from stages.policy.hf import _InverseCDFSampler, _LogprobRecorder
+
+    torch.manual_seed(1)
+    steps = [torch.randn(5, 300) * 4 for _ in range(3)]  # (B, V) raw logits per decoding step
+    recorded_by = {}
+    for top_k in (None, [0, 2, 0, 0, 0]):
+        recorder = _LogprobRecorder(0.7, top_k)
+        sampler = _InverseCDFSampler(0.7, recorder)
+        torch.manual_seed(2)  # the same draws in both batches
+        picks = []
+        for logits in steps:
+            last = picks[-1][:, None] if picks else torch.zeros(5, 1, dtype=torch.long)
+            recorder(last, logits)
+            if top_k is None:  # reading more of a step's scores than the picked tokens' would raise
+                recorder._scores = _OnlyGather(logits)
+            picks.append(sampler(last, logits).argmax(-1))
+        recorded = recorder.finish(picks[-1])  # (B, 3)
+        expected = torch.stack([torch.log_softmax(z / 0.7, -1).gather(1, p[:, None]).squeeze(1)
+                                for z, p in zip(steps, picks)], dim=1)
+        assert recorded.dtype == torch.float32 and torch.allclose(recorded, expected, atol=1e-5)
+        recorded_by[bool(top_k)] = recorded
+        if top_k:
+            best = recorder.top(1, 2, 3)  # row 1: its 2 best tokens at each of the 3 steps
+            assert [[t for t, _ in step] for step in best] == [z[1].topk(2).indices.tolist() for z in steps]
+            for step, (tops, p) in enumerate(zip(best, picks)):
+                assert dict(tops).get(int(p[1]), recorded[1, step].item()) == recorded[1, step].item()
+    assert torch.equal(recorded_by[False], recorded_by[True])  # same seed, same picks: the same bits
+
+
+class _OnlyGather:
+    """A step's scores that allow `gather` alone (a pass over (B, V) would need any other method)."""
+
+    def __init__(self, scores: torch.Tensor) -> None:
+        self.gather = scores.gather
