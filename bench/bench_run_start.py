@@ -1,11 +1,11 @@
 """How long `rlops run` takes to start its first stage, with and without importing the model stack while the temporary
-Prefect server boots (flows/prefect_flows.py `run_here(preload=TRAINING_MODULES)`), in turns, fresh workspaces.
+Prefect server boots (flows/prefect_flows.py `run_here`, `PRELOAD`), in turns, fresh workspaces.
 
     .ci/loopback .venv/bin/python bench/bench_run_start.py [--reps 3]
 
 Each run is the parity config cut to one step on 4 evaluation prompts (`rlops run configs/arithmetic_trl_parity.yaml
 --set steps=1 --set eval.n_prompts=4`), the default model; "none" is the same command with the preload emptied
-(`flows.prefect_flows.TRAINING_MODULES = ()`: the server's start-up waited for, then the imports). Prints, per variant,
+(`flows.prefect_flows.PRELOAD = {}`: the server's start-up waited for, then the imports). Prints, per variant,
 the median seconds from the process's start to its exit (the figure: the same work, minus what overlapped), to its
 first stage's start (about the same in both: without the preload the first stage does the imports itself), and the CPU
 seconds of the run and its children (the server included).
@@ -29,7 +29,7 @@ DRIVER = """
 import sys
 import flows.prefect_flows as p
 if sys.argv[1] == "none":
-    p.TRAINING_MODULES = ()
+    p.PRELOAD = {}
 from flows.cli import main
 sys.exit(main(sys.argv[2:]))
 """

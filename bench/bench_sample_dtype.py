@@ -16,8 +16,29 @@ import argparse
 import copy
 import statistics
 import time
+from typing import Any
 
 import loopback  # bench/loopback.py: run under .ci/loopback
+
+
+def parity_step(threads: int) -> tuple[Any, Any, list[list[int]], Any]:
+    """The parity config's sampling step on the default model (fp32, no adapter): (model, tokenizer, its 32 prompt rows:
+    4 train prompts x 8 samples, its SamplingConfig: T=1, <= 32 new tokens), torch on `threads` threads."""
+    import torch
+
+    from stages.policy.chat import ChatFormat
+    from stages.policy.load import load_policy
+    from stages.policy.sampling import SamplingConfig
+    from storage.schema import Message
+    from tasks.base import load_task
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_policy("SmolLM2-135M-Instruct", device="cpu")
+    chat = ChatFormat(tokenizer)
+    task = load_task("arithmetic", {"digits": 2, "operators": "+", "n_train": 2000, "n_test": 100, "seed": 0})
+    prompts = [chat.encode(chat.render([Message(m["role"], m["content"]) for m in task.messages(p)], True))
+               for p in task.prompts("train")[:4]]
+    return model, tokenizer, [p for p in prompts for _ in range(8)], SamplingConfig(temperature=1.0, max_new_tokens=32)
 
 
 def main() -> None:
@@ -28,22 +49,10 @@ def main() -> None:
 
     import torch
 
-    from stages.policy.chat import ChatFormat
     from stages.policy.hf import HFBackend
-    from stages.policy.load import load_policy
     from stages.policy.logprobs import token_logprobs
-    from stages.policy.sampling import SamplingConfig
-    from storage.schema import Message
-    from tasks.base import load_task
 
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_policy("SmolLM2-135M-Instruct", device="cpu")
-    chat = ChatFormat(tokenizer)
-    task = load_task("arithmetic", {"digits": 2, "operators": "+", "n_train": 2000, "n_test": 100, "seed": 0})
-    prompts = [chat.encode(chat.render([Message(m["role"], m["content"]) for m in task.messages(p)], True))
-               for p in task.prompts("train")[:4]]
-    rows = [p for p in prompts for _ in range(8)]
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=32)
+    model, tokenizer, rows, sampling = parity_step(args.threads)
     models = {"fp32": model,
               "int8 (dynamic)": torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear},
                                                                        dtype=torch.qint8),

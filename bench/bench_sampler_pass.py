@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import loopback  # bench/loopback.py: run under .ci/loopback
+from bench_sample_dtype import parity_step
 
 
 class OldSampler:
@@ -46,7 +47,7 @@ def passes_alone(reps: int = 50) -> dict[str, float]:
     """ms per decoding step of the sampler + recorder alone on (32, 49152) scores, old and new."""
     import torch
 
-    from stages.policy.hf import _InverseCDFSampler, _LogprobRecorder
+    from stages.policy.processors import _InverseCDFSampler, _LogprobRecorder
 
     scores = torch.randn(32, 49152) * 3
     out = {}
@@ -72,24 +73,12 @@ def main() -> None:
     import torch
 
     from stages.policy import hf
-    from stages.policy.chat import ChatFormat
-    from stages.policy.load import load_policy
     from stages.policy.lora import LoRASettings, add_lora
-    from stages.policy.sampling import SamplingConfig
-    from storage.schema import Message
-    from tasks.base import load_task
 
-    torch.set_num_threads(args.threads)
+    model, tokenizer, rows, sampling = parity_step(args.threads)
     new_sampler = hf._InverseCDFSampler
     print("sampler + recorder alone, (32, 49152), ms per decoding step:",
           {k: round(v, 2) for k, v in passes_alone().items()}, flush=True)
-    model, tokenizer = load_policy("SmolLM2-135M-Instruct", device="cpu")
-    chat = ChatFormat(tokenizer)
-    task = load_task("arithmetic", {"digits": 2, "operators": "+", "n_train": 2000, "n_test": 100, "seed": 0})
-    prompts = [chat.encode(chat.render([Message(m["role"], m["content"]) for m in task.messages(p)], True))
-               for p in task.prompts("train")[:4]]
-    rows = [p for p in prompts for _ in range(8)]
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=32)
     lora = LoRASettings(r=16, alpha=32, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     models = {"fp32": add_lora(copy.deepcopy(model), lora).eval(),
               "bf16": add_lora(copy.deepcopy(model).to(torch.bfloat16), lora).eval()}

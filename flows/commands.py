@@ -74,10 +74,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     ws_path = _workspace_path(args)
     step_data.check_fork(ws_path, args.fork_from)  # a --from naming no checkpoint fails before the Prefect server starts
     _prefect_env(ws_path)
-    from flows.prefect_flows import TRAINING_MODULES, run_here, train_flow
+    from flows.prefect_flows import run_here, train_flow
 
-    summary = run_here(train_flow, cfg.model_dump(mode="json"), str(ws_path), fork_from=args.fork_from,
-                       preload=TRAINING_MODULES)
+    summary = run_here(train_flow, cfg.model_dump(mode="json"), str(ws_path), fork_from=args.fork_from)
     if not args.json:
         cols, rows = results_table(summary)
         print(f"\nrun {cfg.name}: held-out {cfg.eval.split} split of {cfg.task.name}")
@@ -137,10 +136,9 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _check_replay_inputs(_workspace_path(args), args.from_policy, args.run)
     _prefect_env(_workspace_path(args))
-    from flows.prefect_flows import TRAINING_MODULES, retrain_flow, run_here
+    from flows.prefect_flows import retrain_flow, run_here
 
-    lineage = run_here(retrain_flow, cfg.model_dump(mode="json"), args.from_policy, args.run, str(_workspace_path(args)),
-                       args.branch, preload=TRAINING_MODULES)
+    lineage = run_here(retrain_flow, cfg.model_dump(mode="json"), args.from_policy, args.run, str(_workspace_path(args)), args.branch)
     _emit(args, {"lineage": lineage}, lineage[-1])
     return 0
 

@@ -46,7 +46,7 @@ def _transient(task_obj: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-def run_here(flow_obj: Any, *args: Any, preload: tuple[str, ...] = ("mlflow.tracking",), **kwargs: Any) -> Any:
+def run_here(flow_obj: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a flow in this process, as the CLI does (`rlops run`, `rescore`, `retrain`, `stage --prefect`).
 
     With no Prefect server configured (no PREFECT_API_URL), the flow reports to a temporary server that
@@ -60,9 +60,9 @@ def run_here(flow_obj: Any, *args: Any, preload: tuple[str, ...] = ("mlflow.trac
     thread sleeps in 1 s slices that the engine joins at exit, which cost ~0.4 s per run. Served
     deployments (`rlops schedule`) keep Prefect's default.
 
-    `preload`: modules the flow will import anyway, imported while the temporary server boots (TRAINING_MODULES
-    for a training flow: torch, transformers, peft, ~6 s of CPU), so its start-up overlaps theirs instead of
-    preceding them. Nothing is preloaded when a server is configured (the flow starts at once).
+    While the temporary server boots, the modules the flow will import anyway are imported (`PRELOAD`: for a
+    training flow torch, transformers, peft and MLflow's client, ~6 s of CPU), so the driver's start-up overlaps the
+    server's instead of following it. Nothing is preloaded when a server is configured (the flow starts at once).
     """
     from prefect.settings import (PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
                                   PREFECT_SERVER_EPHEMERAL_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
@@ -75,6 +75,7 @@ def run_here(flow_obj: Any, *args: Any, preload: tuple[str, ...] = ("mlflow.trac
         from flows.temp_server import TemporaryServer
 
         server = TemporaryServer(niceness=int(os.environ.get("RLOPS_PREFECT_SERVER_NICE", SERVER_NICENESS)))
+        preload = PRELOAD.get(getattr(flow_obj, "name", ""), ("mlflow.tracking",))
         updates[PREFECT_API_URL] = server.start(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(),
                                                 meanwhile=lambda: [importlib.import_module(m) for m in preload])
     with temporary_settings(updates):
@@ -82,8 +83,10 @@ def run_here(flow_obj: Any, *args: Any, preload: tuple[str, ...] = ("mlflow.trac
 
 
 SERVER_NICENESS = 10
-# What a training flow's stages import in the driver (the model, its adapter, MLflow's client): `run_here`'s preload.
+# What a flow's stages import in the driver, imported while the temporary server boots (`run_here`); by flow name.
+# Training: the model, its adapter (peft imports torch and transformers' modelling), MLflow's client.
 TRAINING_MODULES = ("peft", "mlflow.tracking")
+PRELOAD = {"rlops-train": TRAINING_MODULES, "rlops-retrain": TRAINING_MODULES}
 
 
 def prefect_call(name: str, fn: Callable[..., ArtifactRef], *args: Any, **kwargs: Any) -> ArtifactRef:

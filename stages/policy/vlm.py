@@ -328,7 +328,7 @@ class VLMPolicy:
         import torch
         from transformers import LogitsProcessorList
 
-        from stages.policy.hf import _InverseCDFSampler, _LogprobRecorder
+        from stages.policy.processors import _InverseCDFSampler, _LogprobRecorder
 
         prompt, image_ids = self.prompt(messages)
         vision = self.vision_inputs(image_ids)

@@ -75,7 +75,7 @@ def test_logprobs_match_a_fresh_forward_pass(policy: tuple[Any, Any], temperatur
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_the_fast_sampler_draws_from_the_softmax(temperature: float) -> None:
-    from stages.policy.hf import _InverseCDFSampler
+    from stages.policy.processors import _InverseCDFSampler
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0, 0.5]]).repeat(40_000, 1)  # (N, V): one draw per row
     torch.manual_seed(0)
@@ -334,7 +334,7 @@ def test_the_fast_sampler_hands_the_recorder_its_picks_log_probs() -> None:
     log_softmax(z / T) at the picked tokens, and the recorder reads only those tokens' scores (no pass over (B, V)).
     A row asking for its top tokens gets them, the picked one with the very log-prob recorded for it, and the other
     rows record the same bits as without it."""
-    from stages.policy.hf import _InverseCDFSampler, _LogprobRecorder
+    from stages.policy.processors import _InverseCDFSampler, _LogprobRecorder
 
     torch.manual_seed(1)
     steps = [torch.randn(5, 300) * 4 for _ in range(3)]  # (B, V) raw logits per decoding step
