@@ -52,8 +52,9 @@ def _contiguous_head(model: Any) -> None:
     import torch
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    if weight is None or weight.dtype not in (torch.bfloat16, torch.float16) or getattr(head, "_rlops_contiguous", False):
+    weight = getattr(head, "weight", None)  # a quantized layer's is a method: left as it is
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16) \
+            or getattr(head, "_rlops_contiguous", False):
         return
     head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
     head._rlops_contiguous = True

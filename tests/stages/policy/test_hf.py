@@ -149,6 +149,15 @@ def test_a_half_precision_models_output_layer_gets_a_contiguous_input(tiny_model
     assert len(seen["bfloat16"]) == len(seen["float32"]) and all(seen["bfloat16"])
 
 
+
+def test_a_dynamically_quantized_model_samples(tiny_model_dir: Path) -> None:
+    """torch's dynamic int8 quantization (bench/bench_sample_dtype.py) leaves the output layer a `weight()` method, not
+    a tensor: the backend leaves that layer as it is and samples."""
+    model, tokenizer = load_policy(str(tiny_model_dir))
+    quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    [sample] = HFBackend(quantized, tokenizer).generate(prompts(tokenizer)[:1], SamplingConfig(max_new_tokens=3), seed=1)
+    assert len(sample.token_ids) == len(sample.logprobs) > 0
+
 def test_stop_strings_cut_where_generation_stopped(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     backend, batch = HFBackend(model, tokenizer), prompts(tokenizer)[:1]
