@@ -47,6 +47,7 @@ import importlib.util
 import json
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -328,6 +329,7 @@ def served(app: str) -> AppServer:
 def _stop_all() -> None:
     for server in _SERVERS.values():
         server.stop()
+        shutil.rmtree(server.log.parent, ignore_errors=True)  # its log's folder: nothing is left in the temp dir
 
 
 def _die_with_parent() -> None:

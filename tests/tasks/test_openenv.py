@@ -201,3 +201,16 @@ def test_lamp_env_rewards_each_right_press_and_ends_on_a_wrong_one():
     wrong = env.step(ButtonAction(button=next(c for c in ("red", "green") if c != env.lamps[1])))
     assert (wrong.reward, wrong.done) == (0.0, True) and wrong.message.endswith("Game over.")
     assert LampEnvironment().reset(seed=1_000_000).message == first.message  # a seed is a reproducible episode
+
+
+def test_a_served_apps_log_folder_is_removed_at_exit():
+    """The app server rlops starts logs into a temporary folder; when the process that started it exits, the server
+    stops and the folder goes with it (before, every rollout process left one behind in the temp dir)."""
+    import subprocess
+    import sys
+
+    code = f"from tasks.openenv import served; print(served({GUESS!r}).log.parent, flush=True)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    folder = Path(out.stdout.strip().splitlines()[-1])
+    assert folder.name.startswith("rlops-openenv-") and not folder.exists()
