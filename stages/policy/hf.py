@@ -6,11 +6,12 @@
 Left-padded batches, seeded, on CPU or GPU. Identical prompts in a batch are prefilled once, and so is the
 common prefix of distinct ones (a system prompt shared by an evaluation's prompts); inside
 `conversation()` an agent's next turn reuses its previous turn's key/value cache (stages/policy/kv_cache.py).
-Two logits processors ride along with `generate`: one records log_softmax(logits / T) at each sampled
-token (the definition in stages/policy/sampling.py; and the top k for rows that ask), one draws the
-token itself by inverse-CDF sampling (both in stages/policy/processors.py). When a row is constrained (`RowOptions.constraint`), a third runs
-first and masks each constrained row to its grammar (stages/policy/constrain.py), so what is recorded
-is the masked distribution; calls without a constrained row do not have it.
+Two logits processors ride along with `generate` (stages/policy/processors.py): one records
+log_softmax(logits / T) at each sampled token (the definition in stages/policy/sampling.py; and the top k
+for rows that ask), one draws the token itself by inverse-CDF sampling. When a row is constrained
+(`RowOptions.constraint`), a third runs first and masks each constrained row to its grammar
+(stages/policy/constrain.py), so what is recorded is the masked distribution; calls without a
+constrained row do not have it.
 
 torch and transformers are imported inside the functions that need them.
 """
