@@ -26,6 +26,17 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
             yield
 
 
+def rlops_here(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """An `rlops` command's stdout, run by its entry point `flows.cli.main` in this process: for commands that start
+    no Prefect flow (a stage without --prefect, a query), which a subprocess would only add ~7 s of CPU importing the
+    stack to (docs/BENCHMARKS.md, "Where the suite's CPU goes"). `rlops run` and its kin run as subprocesses."""
+    from flows.cli import main
+
+    capsys.readouterr()  # only this command's output
+    assert main(list(args)) == 0, capsys.readouterr().err[-3000:]
+    return capsys.readouterr().out
+
+
 def ray_workers(ws: Any, artifact_id: str) -> list[str]:
     """Where the Ray work of the stage that made `artifact_id` ran: its completed stage run's MLflow tag
     `rlops.ray_workers`, one `<node id>:<pid>:<parent pid>` per worker."""

@@ -3,8 +3,6 @@ ids, a section of an unused algorithm is refused, and each algorithm runs one pi
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -18,7 +16,7 @@ from stages.common import StageContext, base_policy, identity
 from stages.update.config import GRPOConfig
 from storage.ids import artifact_id
 from storage.workspace import Workspace
-from tests.flows.conftest import tiny_config
+from tests.flows.conftest import rlops_here, tiny_config
 
 
 def test_no_algorithm_key_is_grpo_with_todays_id(tiny_model_dir):
@@ -75,7 +73,7 @@ def test_each_algorithm_runs_one_pipeline_step(tmp_path, tiny_model_dir, algorit
 
 
 @pytest.mark.slow
-def test_rlops_stage_dpo_prints_a_checkpoint_id(tmp_path, tiny_model_dir):
+def test_rlops_stage_dpo_prints_a_checkpoint_id(tmp_path, tiny_model_dir, capsys):
     cfg = tiny_config(tiny_model_dir, name="cli-dpo")
     ws = Workspace.open(tmp_path / "ws")
     ctx = StageContext(ws, run_name="cli-dpo")
@@ -85,12 +83,9 @@ def test_rlops_stage_dpo_prints_a_checkpoint_id(tmp_path, tiny_model_dir):
     score.run(run_cfg.score, ctx, batches=[batch.id])
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "stage", "dpo", str(path), "--policy", "base",
-                          "--rollouts", batch.id, "--reward", "correct", "--set", "algorithm=dpo",
-                          "--set", "dpo.pairing=all", "--workspace", str(tmp_path / "ws")],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    policy = out.stdout.strip().splitlines()[-1]
+    out = rlops_here(capsys, "stage", "dpo", str(path), "--policy", "base", "--rollouts", batch.id, "--reward",
+                     "correct", "--set", "algorithm=dpo", "--set", "dpo.pairing=all", "--workspace", str(tmp_path / "ws"))
+    policy = out.strip().splitlines()[-1]
     assert policy.startswith("ck-")
     row = Workspace.open(tmp_path / "ws").catalog.get_checkpoint(policy)
     assert row["kind"] == "dpo" and row["trained_on"]["batches"] == [batch.id]

@@ -4,8 +4,6 @@ whose version names the labels (the same labels: the same checkpoint; a new labe
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,12 +14,12 @@ from flows.run_config import from_dict
 from flows.stage_calls import call_stage
 from stages.common import StageContext
 from storage.labels import EpisodeKey, append_labels, grade, ordering
-from tests.flows.conftest import tiny_config
+from tests.flows.conftest import rlops_here, tiny_config
 from tests.stages.test_dpo import make_workspace
 
 
 @pytest.mark.slow
-def test_a_dpo_step_trains_on_a_persons_orderings(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_dpo_step_trains_on_a_persons_orderings(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     ws, parent, batch = make_workspace(tmp_path, tiny_model_dir)  # 3 groups of 4 episodes sharing their prompt
 
     def key(i: int) -> EpisodeKey:
@@ -37,10 +35,8 @@ def test_a_dpo_step_trains_on_a_persons_orderings(tmp_path: Path, tiny_model_dir
                                     "lora": {"r": 8, "alpha": 16}}}
     path = tmp_path / "dpo.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "stage", "dpo", str(path), "--labels", "--reviewer", "alice",
-                          "--workspace", str(ws.root)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    policy = out.stdout.strip().splitlines()[-1]
+    out = rlops_here(capsys, "stage", "dpo", str(path), "--labels", "--reviewer", "alice", "--workspace", str(ws.root))
+    policy = out.strip().splitlines()[-1]
 
     row = ws.catalog.get_checkpoint(policy)
     human = ws.query("SELECT DISTINCT reward_version AS v FROM rewards WHERE reward_name = 'human'").to_pylist()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from storage.workspace import Workspace
+from tests.flows.conftest import rlops_here
 from tests.flows.views.conftest import MARKUP, RUN, XSS, cli, soup
 
 # The shared run takes minutes on 2 cores: one xdist worker sets it up for all three modules (--dist loadgroup).
@@ -111,19 +112,17 @@ def test_model_text_is_escaped(run_ws: Workspace) -> None:
     assert XSS in tool_msgs[0].select_one("pre").get_text()
 
 
-def test_terminal_view_through_the_cli(run_ws: Workspace) -> None:
-    out = cli(run_ws.root, "inspect", "tools", "--reward", "correct", "--top", "1", "--tokens")
-    assert out.returncode == 0, out.stderr
+def test_terminal_view_through_the_cli(run_ws: Workspace, capsys: pytest.CaptureFixture[str]) -> None:
+    ws = ("--workspace", str(run_ws.root))
+    text = rlops_here(capsys, "inspect", "tools", "--reward", "correct", "--top", "1", "--tokens", *ws)
     best, worst = _expected_ends(next(iter(_scores(run_ws, "tools", "correct").values())), 1)
-    text = out.stdout
     assert text.index(best[0]) < text.index(worst[0])
     assert "top 1 of correct@" in text and "bottom 1 of correct@" in text
     assert "tool call call_0_0: search(" in text and "judge (judged@" in text and "tokens:" in text
     assert MARKUP in text and XSS in text  # rich printed them as text, not as markup
 
-    out = cli(run_ws.root, "inspect", RUN, "--step", "1", "--format", "html", "--top", "1")
-    assert out.returncode == 0, out.stderr
-    page = Path(out.stdout.strip().splitlines()[-1])
+    out = rlops_here(capsys, "inspect", RUN, "--step", "1", "--format", "html", "--top", "1", *ws)
+    page = Path(out.strip().splitlines()[-1])
     assert page == run_ws.root / "reports" / RUN / "inspect" / "total-step1.html"
     batch = set(next(c for c in run_ws.catalog.checkpoints(RUN) if c["step"] == 1)["trained_on"]["batches"])
     shown = [a["data-rollout-id"] for a in soup(page).select("article.episode")]
@@ -149,7 +148,7 @@ def test_bad_input_is_a_clear_error(run_ws: Workspace, args: list[str], message:
 # -- version diffs ---------------------------------------------------------------------------
 
 
-def test_diff_shows_the_largest_changes_side_by_side(run_ws: Workspace) -> None:
+def test_diff_shows_the_largest_changes_side_by_side(run_ws: Workspace, capsys: pytest.CaptureFixture[str]) -> None:
     versions = list(_scores(run_ws, RUN, "short").items())
     (va, before), (vb, after) = sorted(versions, key=lambda kv: run_ws.query(
         f"SELECT min(scored_at) AS t FROM rewards WHERE reward_version = '{kv[0]}'").to_pylist()[0]["t"])
@@ -157,9 +156,9 @@ def test_diff_shows_the_largest_changes_side_by_side(run_ws: Workspace) -> None:
     changed = {r: after[r] - before[r] for r in before if before[r] != after[r]}
     assert changed  # limit 8 -> 2 changes the length penalty of non-empty answers
 
-    out = cli(run_ws.root, "inspect", RUN, "--diff", a, b, "--top", "3", "--format", "html")
-    assert out.returncode == 0, out.stderr
-    page = soup(Path(out.stdout.strip().splitlines()[-1]))
+    ws = ("--workspace", str(run_ws.root))
+    page = soup(Path(rlops_here(capsys, "inspect", RUN, "--diff", a, b, "--top", "3", "--format", "html", *ws
+                                ).strip().splitlines()[-1]))
     assert f"{len(changed)} of {len(before)} episodes" in page.get_text()
     articles = page.select("article.change")
     expected = sorted(changed, key=lambda r: (-abs(changed[r]), r))[:3]
@@ -170,5 +169,5 @@ def test_diff_shows_the_largest_changes_side_by_side(run_ws: Workspace) -> None:
         left, right = x.select(".side > div")
         assert left.select_one("tr.score")["data-reward"] == a and right.select_one("tr.score")["data-reward"] == b
 
-    text = cli(run_ws.root, "inspect", RUN, "--diff", a, b, "--top", "1")
-    assert text.returncode == 0 and expected[0] in text.stdout and f"{len(changed)} of {len(before)}" in text.stdout
+    text = rlops_here(capsys, "inspect", RUN, "--diff", a, b, "--top", "1", *ws)
+    assert expected[0] in text and f"{len(changed)} of {len(before)}" in text
