@@ -8,7 +8,8 @@
    suffix it writes into the node id on the worker (`item._nodeid`); pytest 9.2 keeps node ids in a
    structured `item._id`, so that write has no effect and every group was silently spread over all
    workers, each making the shared thing again (pytest-xdist issue 1386; the views' run was made 3
-   times in one suite run). Here the suffix is written where pytest 9.2 reads it, and a worker whose
+   times in one suite run). The tests of a session-scoped server fixture (`SERVER_FIXTURES`: the Prefect
+   harness) are grouped by its name. Here the suffix is written where pytest 9.2 reads it, and a worker whose
    grouped tests still lack it stops the run with an error instead of going on slowly.
 2. **Slow modules first.** xdist hands out groups (largest first), then single tests in collection
    order, to whichever worker is free. On a worker under `-n`, modules holding a test marked `slow` are
@@ -45,8 +46,14 @@ def _shared_fixture_group(item: pytest.Item) -> str | None:
     return widest
 
 
+# Session-scoped fixtures that start a server: their tests are one group, so one worker starts it once (each
+# worker its tests landed on started its own: a Prefect server is ~6 s of CPU to start).
+SERVER_FIXTURES = ("prefect_harness",)
+
+
 def _group(item: pytest.Item) -> str | None:
-    return _marked_group(item) or _shared_fixture_group(item)
+    return _marked_group(item) or _shared_fixture_group(item) or next(
+        (name for name in SERVER_FIXTURES if name in item.fixturenames), None)
 
 
 def _set_group(item: pytest.Item, group: str) -> None:
