@@ -124,8 +124,10 @@ def _title(pid: int) -> str:
         return ""
 
 
-def _kill_in_step(cluster: LocalRayCluster, proc: subprocess.Popen, log: Path, spare: set[int]) -> int:
-    """SIGKILL the first update worker (not in `spare`) seen inside a step; its pid. Fails if the run ends first.
+def _kill_in_step(cluster: LocalRayCluster, proc: subprocess.Popen, log: Path, spare: set[int]) -> tuple[int, set[int]]:
+    """SIGKILL the first update worker (not in `spare`) seen inside a step: its pid, and every update worker (not in
+    `spare`) listed with it, its group (to spare next: listed later, a dying peer's title can read as anything while
+    Ray rewrites it, and a spare missed so was once the "fresh group's worker" killed). Fails if the run ends first.
 
     Listing the node's processes scans all of /proc (psutil), which at a 10 ms poll took a good part of a core
     from the rest of the suite; so the node is listed 4 times a second until a group's workers exist (they load
@@ -144,7 +146,7 @@ def _kill_in_step(cluster: LocalRayCluster, proc: subprocess.Popen, log: Path, s
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:  # it ended between the read and the kill: look again
                         continue
-                    return pid
+                    return pid, set(workers)
             time.sleep(0.01)
         time.sleep(0 if workers else 0.25)
     raise AssertionError("no update worker was seen inside a step within 300 s")
@@ -215,9 +217,9 @@ def test_two_node_every_stage_on_two_workers_survives_killed_update_workers_and_
     first_log, rerun_log = tmp_path / "first.log", tmp_path / "rerun.log"
     earlier = set(_update_worker_titles(cluster))  # other tests' workers on the shared cluster, maybe still ending
     run = start(first_log)
-    killed = _kill_in_step(cluster, run, first_log, spare=earlier)
-    retry_spare = earlier | set(_update_worker_titles(cluster)) | {killed}  # the first group's: the retry starts new ones
-    killed_again = _kill_in_step(cluster, run, first_log, spare=retry_spare)
+    killed, first_group = _kill_in_step(cluster, run, first_log, spare=earlier)
+    retry_spare = earlier | first_group | set(_update_worker_titles(cluster))  # the first group: the retry starts anew
+    killed_again, _ = _kill_in_step(cluster, run, first_log, spare=retry_spare)
     assert run.wait(timeout=300) != 0
     err = first_log.read_text()
     assert f"pid {killed}) died" in err and "retrying the step once with a fresh worker group" in err
@@ -230,7 +232,7 @@ def test_two_node_every_stage_on_two_workers_survives_killed_update_workers_and_
 
     earlier = set(_update_worker_titles(cluster))  # the failed run's, maybe still ending
     run = start(rerun_log)
-    killed = _kill_in_step(cluster, run, rerun_log, spare=earlier)
+    killed, _ = _kill_in_step(cluster, run, rerun_log, spare=earlier)
     assert run.wait(timeout=300) == 0, rerun_log.read_text()[-4000:]
     assert f"pid {killed}) died" in rerun_log.read_text()
     ws = Workspace.open(workspace)
