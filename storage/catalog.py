@@ -169,6 +169,8 @@ class Catalog:
                 for table, columns in DDL.items():
                     con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
                 self._initialised = True
+            if write:
+                self._heal(con)
             yield con
         finally:
             con.close()  # rolls back a transaction left open by an error
@@ -181,15 +183,32 @@ class Catalog:
             con.execute("BEGIN")
             for sql, params in statements:
                 con.execute(sql, params)
+            for table in tables:  # marked before the commit: a process killed after it leaves the mark (`_heal`)
+                self._stale_mark(table).touch()
             con.execute("COMMIT")
             for table in tables:
                 self._snapshot(con, table)
+
+    def _stale_mark(self, table: str) -> Path:
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        return self.snapshot_dir / f".{table}.stale"
+
+    def _heal(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Write again the snapshot of every table a killed writer committed to but did not snapshot (its mark is
+        left). Found once in a resumed run: the rewards it had written were complete in the catalog, but missing
+        from the `files` snapshot the views read, and the rerun, finding them done, wrote no file to refresh it."""
+        if self.snapshot_dir.is_dir():
+            for mark in self.snapshot_dir.glob(".*.stale"):
+                table = mark.name[1:-len(".stale")]
+                if table in DDL:
+                    self._snapshot(con, table)
 
     def _snapshot(self, con: duckdb.DuckDBPyConnection, table: str) -> None:
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
         final = self.snapshot_dir / f"{table}.parquet"
         with atomic_file(final) as f:
             pq.write_table(con.sql(f"SELECT * FROM {table}").to_arrow_table(), f)
+        self._stale_mark(table).unlink(missing_ok=True)
 
     def _rows(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -190,3 +190,38 @@ def test_duckdb_read_parquet_by_path_tears_on_a_rename_and_the_views_do_not_read
         assert views.con.sql("SELECT count(*) FROM checkpoints").fetchall() == [(40,)]
     finally:
         views.con.close()
+
+
+KILLED_AFTER_COMMIT = """
+import os, sys
+from storage.catalog import Catalog
+from storage.workspace import Workspace
+
+def die(self, con, table):  # the process ends between the catalog's commit and its snapshot, as a SIGKILL there would
+    os._exit(9)
+
+Catalog._snapshot = die
+Workspace.open(sys.argv[1]).catalog.upsert_run("killed", {"steps": 1}, None, "running")
+"""
+
+
+def test_a_writer_killed_between_commit_and_snapshot_is_healed_by_the_next_write(tmp_path):
+    import subprocess
+    import sys
+
+    from storage.workspace import Workspace
+
+    ws = Workspace.open(tmp_path / "ws")
+    ws.catalog.upsert_run("before", {"steps": 1}, None, "complete")
+    out = subprocess.run([sys.executable, "-c", KILLED_AFTER_COMMIT, str(tmp_path / "ws")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 9, out.stderr[-2000:]
+    runs = ws.settings.snapshot_dir / "runs.parquet"
+    assert read_snapshot(runs)["run_name"].to_pylist() == ["before"]  # committed, not in the snapshot the views read
+    # The next write of any table, by any process (here a stage run, as a resumed run records its cached stages):
+    Workspace.open(tmp_path / "ws").catalog.record_stage_run({"stage": "rollout", "artifact_id": "ro-x", "inputs": [],
+                                                              "status": "cached", "run_name": "killed"})
+    assert sorted(read_snapshot(runs)["run_name"].to_pylist()) == ["before", "killed"]
+    assert sorted(r["run_name"] for r in Workspace.open(tmp_path / "ws").query("SELECT run_name FROM runs").to_pylist()) \
+        == ["before", "killed"]
+    assert not list(ws.settings.snapshot_dir.glob(".*.stale"))
