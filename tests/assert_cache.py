@@ -12,8 +12,6 @@ so what is written here is what pytest would write itself, and a module edited a
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
-import marshal
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ PATTERNS = ("test_*.py", "*_test.py", "conftest.py")  # pytest's default python_
 def rewritten(root: Path) -> list[Path]:
     """Write the rewritten pyc of every test module and conftest.py under `root` whose cache is missing or stale;
     the modules written."""
-    from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, _rewrite_test, get_cache_dir
+    from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, _rewrite_test, _write_pyc_fp, get_cache_dir
 
     written = []
     for fn in sorted(root.rglob("*.py")):
@@ -32,10 +30,11 @@ def rewritten(root: Path) -> list[Path]:
         pyc = get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)
         if _read_pyc(fn, pyc, lambda *_: None) is not None:
             continue
-        source_hash, co = _rewrite_test(fn, None)  # no config: as pytest's with enable_assertion_pass_hook off (its default, ours)
+        source_hash, co = _rewrite_test(fn, None)  # no config: enable_assertion_pass_hook off (pytest's default, ours)
         pyc.parent.mkdir(exist_ok=True)
         tmp = pyc.with_name(f"{pyc.name}.tmp")  # complete or absent, as pytest writes it
-        tmp.write_bytes(importlib.util.MAGIC_NUMBER + b"\x03\x00\x00\x00" + source_hash[:8] + marshal.dumps(co))
+        with tmp.open("wb") as f:
+            _write_pyc_fp(f, source_hash, co)  # pytest's own writer: its header and format
         tmp.replace(pyc)
         written.append(fn)
     return written
