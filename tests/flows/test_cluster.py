@@ -1,8 +1,7 @@
-"""A pipeline step on a real two-node Ray cluster (`ray start --head` + `ray start --address=...`):
-rollout, scoring and a 2-worker DDP GRPO update; and a whole run where every stage asks for 2 Ray
-workers on 2 CPUs (the run's resident rollout actors must not starve the score tasks and GRPO workers),
-whose update workers are killed mid-step. (The same run on rlops' own 2-CPU local Ray is
-tests/flows/test_async_ray.py's demo-config test.)
+"""A whole run on a real two-node Ray cluster (`ray start --head` + `ray start --address=...`) where every
+stage asks for 2 Ray workers on 2 CPUs (the run's resident rollout actors must not starve the score tasks and
+the 2-worker DDP GRPO update), whose update workers are killed mid-step. (The same run on rlops' own 2-CPU
+local Ray is tests/flows/test_async_ray.py's demo-config test.)
 
 The `rlops` driver runs as its own process, as a user runs it, with the cluster's token in its
 environment; the head node has no CPUs, so rollout actors and scoring tasks must run on the worker
@@ -11,14 +10,14 @@ node. Each stage records where its Ray work ran (MLflow tag `rlops.ray_workers`:
 processes its `ray start` started. The nodes are started without this checkout on their
 PYTHONPATH: the code reaches them through Ray's runtime_env (`ray.ship_code`).
 
-The two two-node tests share one cluster (`two_nodes`, xdist group "two_nodes": one xdist worker starts
-it once). Each test's drivers are their own Ray jobs with their own workspace; a job's actors and
-workers end with its driver, so the second test finds the worker node's 2 CPUs free again.
+Each driver is its own Ray job; a job's actors and workers end with it, so the next driver finds the worker
+node's 2 CPUs free again. (Rollout, scoring and the update placed on the worker node were once a test of their
+own, of `rlops stage` commands on the same cluster: three more drivers and six more Ray workers, ~50 s of CPU,
+for what the run's stages show as well; those commands are tests/flows/test_cli_stages.py's.)
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -33,58 +32,16 @@ from tests.flows.conftest import ray_workers, tiny_config
 from tests.ray_cluster import LocalRayCluster
 
 
-def _rlops(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--json"], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["artifact_id"]
-
-
 def _placements(ws: Workspace, artifact_id: str) -> list[tuple[str, int, int]]:
     return [(node, int(pid), int(ppid)) for node, pid, ppid in (w.split(":") for w in ray_workers(ws, artifact_id))]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_nodes() -> Iterator[LocalRayCluster]:
-    """A `ray start` head (no CPUs) and worker (2 CPUs), shared by this module's two-node tests."""
+    """A `ray start` head (no CPUs) and worker (2 CPUs)."""
     # The nodes import rlops only from what the driver ships (or an installed copy): not from this checkout.
     with LocalRayCluster(worker_cpus=2, env={"PYTHONPATH": ""}) as cluster:
         yield cluster
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("two_nodes")
-def test_rollout_and_score_run_on_the_worker_node(tmp_path, tiny_model_dir, two_nodes):
-    cluster = two_nodes
-    cfg = tiny_config(tiny_model_dir, name="cluster", steps=1)
-    cfg.pop("sft")
-    cfg["rollout"].update(workers=2, groups_per_shard=1)  # 2 prompts -> 2 shards -> 2 actors
-    cfg["score"]["workers"] = 2
-    cfg["ray"] = {"address": cluster.address}
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    driver_env = {**cluster.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    ws_args = ["--workspace", str(tmp_path / "ws")]
-
-    batch = _rlops(driver_env, "stage", "rollout", str(path), "--policy", "base", *ws_args)
-    scored = _rlops(driver_env, "stage", "score", str(path), "--rollouts", batch, *ws_args)
-    worker_pids = cluster.worker_pids()  # while the node runs: its raylet is every worker's parent
-    # Training uses the same section: two DDP update workers (the head has no CPU for them).
-    policy = _rlops(driver_env, "stage", "grpo", str(path), "--policy", "base", "--rollouts", batch,
-                    "--reward", "total", "--set", "grpo.workers=2", "--set", "grpo.lr=1e-3", *ws_args)
-
-    ws = Workspace.open(tmp_path / "ws")
-    assert ws.query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 4}]
-    assert ws.query("SELECT count(*) AS n FROM rewards").to_pylist() == [{"n": 4 * 3}]  # correct, short, total
-    assert ws.catalog.get_artifact(scored) is not None
-    rollout_at, score_at = _placements(ws, batch), _placements(ws, scored)
-    assert len(rollout_at) == 2 and len(score_at) >= 1
-    for node, pid, ppid in rollout_at + score_at:
-        assert node == cluster.worker_node_id
-        assert ppid in worker_pids and pid != os.getpid()
-    checkpoint = ws.catalog.get_checkpoint(policy)
-    assert checkpoint["kind"] == "grpo" and checkpoint["trained_on"]["batches"] == [batch]
-    assert (tmp_path / "ws" / "checkpoints" / policy / "adapter_model.safetensors").exists()
 
 
 def test_moved_ray_address_is_a_clear_config_error(tiny_model_dir):
@@ -164,7 +121,6 @@ def odd_sample(rollout) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("two_nodes")
 def test_two_node_every_stage_on_two_workers_survives_killed_update_workers_and_a_run_too_big_is_refused(
         tmp_path, tiny_model_dir, two_nodes):
     """A 2-step run on the two-node cluster whose every stage asks for 2 Ray workers (resident rollout actors,
@@ -173,7 +129,7 @@ def test_two_node_every_stage_on_two_workers_survives_killed_update_workers_and_
     fails naming that worker, and no checkpoint of the step exists. The rerun resumes (rollouts and scores are
     found), its first group loses a worker the same way and is replaced, the replacement group stays for step 1,
     and the run ends with step 0's checkpoint under the id the failed step had, whose weights are the in-process
-    update's: nothing of a partial gradient was kept. Before all that, a run asking for 3 update workers is refused
+    update's: nothing of a partial gradient was kept, and every stage's Ray work ran on the worker node. Before all that, a run asking for 3 update workers is refused
     before any rollout. (One test, so the cluster runs one such driver: each costs a Prefect server and a group.)"""
     from safetensors.torch import load_file
 
@@ -237,6 +193,19 @@ def test_two_node_every_stage_on_two_workers_survives_killed_update_workers_and_
     assert f"pid {killed}) died" in rerun_log.read_text()
     ws = Workspace.open(workspace)
     assert ws.query("SELECT count(*) AS n FROM rollouts WHERE split = 'train'").to_pylist() == [{"n": 2 * 2 * 4}]
+    # Where each stage's Ray work ran: every training batch on the two rollout actors, its scores in score tasks,
+    # each step's update on two workers; all on the worker node (the head has no CPUs), in processes its raylet
+    # started (the raylet outlives the jobs: still the parent of record), none in the driver or this process.
+    worker_pids = cluster.worker_pids()
+    batches = [a["artifact_id"] for a in ws.catalog.artifacts("rollouts") if a["meta"].get("split") == "train"]
+    scores = [r["artifact_id"] for r in ws.catalog.stage_runs() if r["stage"] == "reward_set" and r["status"] == "complete"]
+    updates = [c["policy_id"] for c in ws.catalog.checkpoints("faults") if c["kind"] == "grpo"]
+    assert len(batches) == 2 and len(updates) == 2 and len(scores) >= 2
+    assert all(len(_placements(ws, batch)) == 2 for batch in batches)
+    assert all(len(_placements(ws, policy)) == 2 for policy in updates)
+    for node, pid, ppid in (p for artifact in batches + scores + updates for p in _placements(ws, artifact)):
+        assert node == cluster.worker_node_id
+        assert ppid in worker_pids and pid != os.getpid()
     final, last = [c for c in ws.catalog.checkpoints("faults") if c["kind"] == "grpo"]  # in order of creation
     assert last["parent_id"] == final["policy_id"]
     assert final["policy_id"] == failed["artifact_id"]  # the rerun's step 0 ends where the failed step would have
