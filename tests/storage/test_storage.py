@@ -142,28 +142,46 @@ def test_the_catalog_file_is_open_only_inside_a_call_and_calls_nest(ws):
         assert con.execute("SELECT count(*) FROM written_by_another").fetchone()[0] == 0
 
 
-def test_a_workspaces_views_are_made_again_only_when_what_they_read_changed(ws, monkeypatch):
+def test_a_workspaces_views_are_brought_up_to_date_only_when_what_they_read_changed(ws, monkeypatch):
     """Workspace.query reuses its views while the catalog, the files they read and the stored images are
-    unchanged (storage/sql.py ViewCache); after each change it answers as freshly made views do."""
+    unchanged (storage/sql.py ViewCache), and after each change brings them up to date on the same connection; each
+    answer is what freshly made views give, the damaged file named as they name it."""
     import storage.sql
     from storage.images import ImageStore
     from tests.storage.test_images import encoded
 
-    made, real = [], storage.sql.open_views
-    monkeypatch.setattr(storage.sql, "open_views", lambda settings, *a: made.append(1) or real(settings, *a))
+    made, refreshed = [], []
+    real_open, real_refresh = storage.sql.open_views, storage.sql.refresh_views
+    monkeypatch.setattr(storage.sql, "open_views", lambda settings, *a: made.append(1) or real_open(settings, *a))
+    monkeypatch.setattr(storage.sql, "refresh_views", lambda views, *a: refreshed.append(1) or real_refresh(views, *a))
+    checks = ["SELECT count(*) AS n FROM rollouts", "SELECT count(*) AS n FROM rewards", "SELECT count(*) AS n FROM images",
+              "SELECT batch_id, count(*) AS n FROM rollouts JOIN rewards USING (rollout_id, batch_id) GROUP BY ALL ORDER BY ALL",
+              "SELECT artifact_id, status FROM artifacts ORDER BY ALL", "SELECT count(*) AS n FROM files"]
 
-    def count(view: str) -> int:
-        return ws.query(f"SELECT count(*) AS n FROM {view}").to_pylist()[0]["n"]
+    def answers() -> tuple[list, list]:
+        """(what the workspace's views answer, what fresh views answer): each query of `checks`, and the skipped files."""
+        cached = [ws.query(sql).to_pylist() for sql in checks]
+        fresh = real_open(ws.settings)
+        try:
+            return ([*cached, ws._views._views.skipped],
+                    [*(fresh.con.sql(sql).to_arrow_table().to_pylist() for sql in checks), fresh.skipped])
+        finally:
+            fresh.con.close()
 
     add_batch(ws, "ro-a")
-    assert count("rollouts") == 8 and count("rewards") == 8 and len(made) == 1  # one set of views for all three
+    got, want = answers()
+    assert got == want and got[0] == [{"n": 8}] and (len(made), len(refreshed)) == (1, 0)  # one set of views for all
     add_batch(ws, "ro-b")  # the catalog changed: its snapshots are replaced
-    assert count("rollouts") == 16 and len(made) == 2
+    got, want = answers()
+    assert got == want and got[0] == [{"n": 16}] and (len(made), len(refreshed)) == (1, 1)
     bad = ws.catalog.artifact_files("ro-b")[0]["path"]
     with open(bad, "r+b") as f:  # a file the views read is damaged: left out, as fresh views leave it
         f.seek(-64, 2)
         f.write(b"\0" * 64)
-    assert count("rollouts") == 12 and len(made) == 3
+    got, want = answers()
+    assert got == want and got[0] == [{"n": 12}] and [p for p, _ in got[-1]] == [bad] and len(refreshed) == 2
     ImageStore(ws.settings.images_dir).put(encoded((1, 2, 3)))  # an image stored
-    assert count("images") == 1 and len(made) == 4
-    assert count("rollouts") == 12 and len(made) == 4
+    got, want = answers()
+    assert got == want and got[2] == [{"n": 1}] and len(refreshed) == 3
+    got, want = answers()  # nothing changed
+    assert got == want and (len(made), len(refreshed)) == (1, 3)
