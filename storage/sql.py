@@ -176,7 +176,8 @@ def _load_table(con: duckdb.DuckDBPyConnection, settings: Settings, table: str) 
 def _file_views(views: Views, data: DataStore) -> None:
     """Each kind's view over the files of its complete artifacts (per the `files` and `artifacts` tables), each file's
     footer checked: a damaged file is named (`views.skipped`) and left out, the rest stays queryable. A kind whose
-    files, and each one's stamp, are what its view was made from keeps its view."""
+    files, and each one's stamp, are what its view was made from keeps its view; a file read before at its current stamp
+    keeps its verdict."""
     con, stamps, skipped = views.con, {}, []
     for kind, schema in TABLES.items():
         view = "_labels_rows" if kind == "labels" else kind  # `labels` adds `current` (storage/label_views.py)
@@ -187,13 +188,17 @@ def _file_views(views: Views, data: DataStore) -> None:
             ).fetchall()
         ]
         now = {p: _stamp(p) for p in paths} if data.local else {}  # each taken before the file is read
-        made = views.kinds.get(kind)
-        if made is not None and made[0] == paths and data.local and all(views.stamps.get(p) == now[p] for p in paths):
+        made_paths, made_bad = views.kinds.get(kind, ([], []))
+        same = {p for p in made_paths if p in now and views.stamps.get(p) == now[p]}  # checked before, unchanged since
+        if made_paths == paths and len(same) == len(paths) and kind in views.kinds:
             stamps.update(now)
-            skipped += made[1]
+            skipped += made_bad
             continue
-        readable, bad = [], []
+        readable, bad, reasons = [], [], dict(made_bad)
         for p in paths:
+            if p in same:  # its footer was read at this stamp: the same verdict
+                (bad.append((p, reasons[p])) if p in reasons else readable.append(p))
+                continue
             try:
                 data.footer(p)
                 readable.append(p)
