@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Literal, Protocol
 
 from storage.ids import canonical_json

@@ -266,7 +266,7 @@ def check_sessions(url: str, needed: int, timeout: float) -> None:
 
 
 class AppServer:
-    """An OpenEnv app ("module:attr") served by uvicorn in a child process on 127.0.0.1."""
+    """An OpenEnv app ("module:attr") served by uvicorn in a child process on 127.0.0.1 (tasks/openenv_app.py)."""
 
     def __init__(self, app: str) -> None:
         self.app = app
@@ -290,7 +290,7 @@ class AppServer:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(port),
+                [sys.executable, "-m", "tasks.openenv_app", self.app, "--host", "127.0.0.1", "--port", str(port),
                  "--log-level", "warning"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, preexec_fn=_die_with_parent)
         self.url = f"http://127.0.0.1:{port}"
