@@ -132,9 +132,7 @@ class OpenEnvSession:
     @classmethod
     async def open(cls, url: str, reset_kwargs: dict[str, Any], observation_schema: dict[str, Any],
                    timeout: float, mcp: bool = False) -> OpenEnvSession:
-        from openenv.core.generic_client import GenericEnvClient
-
-        client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout)
+        client = _client_class()(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout)
         await client.connect()
         return cls(client, reset_kwargs, observation_schema, mcp)
 
@@ -186,13 +184,22 @@ def is_mcp(action_schema: dict[str, Any]) -> bool:
     return action_schema.get("title") == "CallToolAction" or kind.get("const") == "call_tool"
 
 
+def _client_class() -> Any:
+    """openenv-core's `GenericEnvClient`. Its package imports the server side too, Gradio web interface and all
+    (~2 s of CPU a process); a client never serves that interface, so it comes without it (tasks/openenv_app.py)."""
+    from tasks.openenv_app import env_server_without_gradio
+
+    env_server_without_gradio()
+    from openenv.core.generic_client import GenericEnvClient
+
+    return GenericEnvClient
+
+
 def list_mcp_tools(url: str, timeout: float) -> tuple[dict[str, Any], ...]:
     """The MCP tools of the environment at `url` (a `list_tools` step in a session of its own), as
     OpenAI function tools; a ValueError when it lists none."""
     async def listed() -> list[dict[str, Any]]:
-        from openenv.core.generic_client import GenericEnvClient
-
-        client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout)
+        client = _client_class()(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout)
         await client.connect()
         try:
             return (await client.step({"type": "list_tools"})).observation.get("tools") or []

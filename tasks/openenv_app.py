@@ -8,7 +8,8 @@ interface only with `ENABLE_WEB_INTERFACE` set: measured, ~2 s of the ~3.5 s of 
 every environment server a run, a config check or a test starts. Without that switch the package is imported here
 with Gradio hidden, so it takes the path it has for an install without Gradio (no web interface, which the switch
 being off means anyway); Gradio is visible again before the app's own module is imported, so an app that uses it
-still can. With the switch set, nothing is hidden.
+still can. With the switch set, nothing is hidden. The client side (tasks/openenv.py: `GenericEnvClient` lives in the
+same package) imports it the same way: a client never serves the web interface.
 """
 
 from __future__ import annotations
