@@ -106,12 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", parents=[common], help="list runs, checkpoints or artifact batches")
     p.add_argument("what", choices=sorted(LS_QUERIES))
 
-    # register the pipeline, release and review commands; import nothing heavy
-    from flows import commands, release, review_commands
+    # register the pipeline, release, review and serving commands; import nothing heavy
+    from flows import commands, release, review_commands, serve_commands
 
     commands.add_parsers(sub, common)
     release.add_parsers(sub, common)
     review_commands.add_parsers(sub, common)
+    serve_commands.add_parsers(sub, common)
     return parser
 
 

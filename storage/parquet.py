@@ -105,6 +105,14 @@ class DataStore:
 
         return ds.dataset([self._path(p) for p in paths], schema=schema, format="parquet", filesystem=self.fs)
 
+    def delete(self, path: str) -> bool:
+        """Remove a data file (a traffic part a merge replaced, a file forgetting emptied); False if it was gone."""
+        try:
+            self.fs.delete_file(self._path(path))
+        except FileNotFoundError:
+            return False
+        return True
+
     def _path(self, path: str) -> str:
         return path.split("://", 1)[1] if "://" in path else path
 

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
+from storage.loop_schema import loop_tables
+
 # 2: rollouts gained `segment_starts` (files of version 1 lack it and read as one segment each).
 # 3: rollouts gained `image_ids` (older files lack it and read as no images).
 SCHEMA_VERSION = 3
@@ -115,8 +117,10 @@ LABELS = pa.schema(
     ]
 )
 
-# Parquet table kind -> schema. The data folder has one subfolder per kind.
-TABLES: dict[str, pa.Schema] = {"rollouts": ROLLOUTS, "rewards": REWARDS, "evals": EVALS, "labels": LABELS}
+# Parquet table kind -> schema. The data folder has one subfolder per kind. The deployment loop's tables (`traffic`,
+# `feedback`, `verdicts`) are storage/loop_schema.py's.
+TABLES: dict[str, pa.Schema] = {"rollouts": ROLLOUTS, "rewards": REWARDS, "evals": EVALS, "labels": LABELS,
+                                **loop_tables(MESSAGE, TS)}
 
 
 def now() -> datetime:

@@ -8,9 +8,12 @@
 Endpoints: `POST /v1/chat/completions` (messages, tools, n, temperature, top_p, max_tokens, stop,
 seed, logprobs, stream), `POST /v1/completions`, `POST /v1/responses` (stages/service/responses.py),
 Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens` (stages/service/messages.py),
-`GET /v1/models`, each also under `/ep/{episode_id}/v1/...`, and `GET /rlops/episodes/{id}` (an
-episode's recorded tokens, assembled as a rollout). A call is recorded under the episode id of its
-URL, else of its `X-Episode-Id` header, else of its `user` field (stages/service/service.py).
+`GET /v1/models`, each also under `/ep/{episode_id}/v1/...`, `GET /rlops/episodes/{id}` (an
+episode's recorded tokens, assembled as a rollout) and, with a traffic log (`rlops serve`),
+`POST /rlops/episodes/{id}/feedback` (a score, label, comment and who, as LangSmith and Langfuse take
+feedback; storage/traffic.py). A call is recorded under the episode id of its URL, else of its
+`X-Episode-Id` header, else of its `user` field; who sent it (session, user, tags) is its `Caller`
+(stages/service/served.py).
 
 Errors are OpenAI-style JSON: 400 for a malformed request, a refused field (named in `param`, see
 stages/service/schemas.py), a prompt over the context or a refused image (stages/service/service.py), 404 for an unknown model, episode, stored
@@ -23,6 +26,7 @@ error event.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import threading
@@ -30,19 +34,22 @@ import time
 from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves handler annotations from module globals
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from stages.service.completions import completion, completion_stream
 from stages.service.messages import CountTokensRequest, MessagesAPI, MessagesRequest, anthropic_error
 from stages.service.responses import ResponsesAPI
 from stages.service.schemas import ChatRequest, CompletionRequest, ResponsesRequest, UnsupportedField, error_body
+from stages.service.served import Caller, caller
 from stages.service.service import PolicyService, ServiceError
+from storage.traffic import FeedbackError, TrafficLog
 from tasks.agent import EPISODE_HEADER  # its one home is the agent contract (external.py imports it from here)
 
 _ANTHROPIC_ROUTE = re.compile(r"(/ep/[^/]+)?/v1/messages(/|$)")  # Anthropic's Messages API: its error shape
 
 
-def build_app(service: PolicyService) -> Any:
-    """The FastAPI app of a service."""
+def build_app(service: PolicyService, traffic: TrafficLog | None = None) -> Any:
+    """The FastAPI app of a service; with `traffic` (`rlops serve`) it also takes feedback on recorded episodes."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -51,6 +58,11 @@ def build_app(service: PolicyService) -> Any:
     app = FastAPI(title="rlops policy service", docs_url=None, redoc_url=None)
     responses_api = ResponsesAPI(service)
     messages_api = MessagesAPI(service)
+
+    def caller_of(request: Request, api: str, stream: bool, user: str | None,
+                  metadata: dict[str, Any] | None = None) -> Caller:
+        return caller(episode=episode_of(request, user), api=api, stream=stream, user_field=user, metadata=metadata,
+                      headers=request.headers)
 
     def episode_of(request: Request, user: str | None) -> str | None:
         """/ep/{id}/v1/... names the episode in the URL (for a framework that builds its own client from
@@ -94,9 +106,10 @@ def build_app(service: PolicyService) -> Any:
         return error(request, 500, f"{type(exc).__name__}: {exc}")
 
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
+        who = caller_of(request, "chat", req.stream, req.user, req.metadata)
         if req.stream:
-            return _events(service.chat_completion_stream(req, episode_of(request, req.user)))
-        return await service.chat_completion(req, episode_of(request, req.user))
+            return _events(service.chat_completion_stream(req, who))
+        return await service.chat_completion(req, who)
 
     async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.stream:
@@ -109,15 +122,17 @@ def build_app(service: PolicyService) -> Any:
                                             "owned_by": "rlops"} for n in service.names()]}
 
     async def responses(req: ResponsesRequest, request: Request) -> Any:
+        who = caller_of(request, "responses", req.stream, req.user, req.metadata)
         if req.stream:
-            return _events(responses_api.stream(req, episode_of(request, req.user)))
-        return await responses_api.create(req, episode_of(request, req.user))
+            return _events(responses_api.stream(req, who))
+        return await responses_api.create(req, who)
 
     async def messages(req: MessagesRequest, request: Request) -> Any:
-        episode = episode_of(request, req.metadata.user_id if req.metadata else None)
+        user = req.metadata.user_id if req.metadata else None
+        who = caller_of(request, "messages", req.stream, user)
         if req.stream:
-            return _events(messages_api.stream(req, episode))
-        return await messages_api.create(req, episode)
+            return _events(messages_api.stream(req, who))
+        return await messages_api.create(req, who)
 
     async def count_tokens(req: CountTokensRequest, request: Request) -> dict[str, Any]:
         return messages_api.count_tokens(req, request.path_params.get("episode_id") or request.headers.get(EPISODE_HEADER))
@@ -134,7 +149,33 @@ def build_app(service: PolicyService) -> Any:
     async def episode(episode_id: str) -> dict[str, Any]:
         return service.episode(episode_id)
 
+    @app.post("/rlops/episodes/{episode_id}/feedback")
+    async def feedback(episode_id: str, body: Feedback) -> dict[str, Any]:
+        if traffic is None:
+            raise ServiceError(404, "this server keeps no traffic (rlops serve --record off): no feedback is stored",
+                               "not_found")
+        try:
+            fid = await asyncio.to_thread(traffic.feedback, episode_id, **body.model_dump())
+        except FeedbackError as e:
+            raise ServiceError(400, str(e), "invalid_feedback", str(e).split(":")[0]) from None
+        except KeyError as e:
+            raise ServiceError(404, e.args[0], "episode_not_found") from None
+        return {"id": fid, "object": "feedback", "episode_id": episode_id}
+
     return app
+
+
+class Feedback(BaseModel):
+    """A feedback body: LangSmith's (`key`, `score`, `comment`) and Langfuse's (`name`, `value`, `comment`) fields,
+    with `label` for a categorical value and `who` for its author; `call_id` names one call of the episode."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    score: float | None = Field(None, validation_alias=AliasChoices("score", "value"))
+    label: str | None = None
+    comment: str | None = None
+    who: str | None = Field(None, validation_alias=AliasChoices("who", "source", "user_id"))
+    key: str | None = Field(None, validation_alias=AliasChoices("key", "name"))
+    call_id: str | None = None
 
 
 def _events(events: Any) -> Any:

@@ -47,6 +47,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from stages.service.schemas import ChatRequest, _Lenient, _Request
+from stages.service.served import Caller
 from stages.service.service import PolicyService, ServiceError
 from tasks.histories import anthropic_messages
 
@@ -238,19 +239,19 @@ class MessagesAPI:
         return {"id": mid, "type": "message", "role": "assistant", "model": req.model, "content": content,
                 "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
-    async def create(self, req: MessagesRequest, episode_id: str | None) -> dict[str, Any]:
+    async def create(self, req: MessagesRequest, caller: Caller) -> dict[str, Any]:
         """A plain (non-streamed) message."""
-        body = await self.service.chat_completion(self._chat(req), episode_id)
+        body = await self.service.chat_completion(self._chat(req), caller)
         (choice,) = body["choices"]
         usage = {"input_tokens": body["usage"]["prompt_tokens"], "output_tokens": body["usage"]["completion_tokens"]}
         return self._message("msg_" + body["id"].removeprefix("chatcmpl-"), req, _content(choice["message"]),
                              _stop(req, choice), usage)
 
-    def stream(self, req: MessagesRequest, episode_id: str | None) -> AsyncIterator[str]:
+    def stream(self, req: MessagesRequest, caller: Caller) -> AsyncIterator[str]:
         """A streamed message: Anthropic's event sequence (module docstring). A request refused before
         generation raises here, an ordinary HTTP error; a failure during generation ends the stream with
         an `error` event."""
-        chat_id, prompt_tokens, events = self.service.chat_deltas(self._chat(req), episode_id)
+        chat_id, prompt_tokens, events = self.service.chat_deltas(self._chat(req), caller)
         mid = "msg_" + chat_id.removeprefix("chatcmpl-")
 
         def event(kind: str, **fields: Any) -> str:

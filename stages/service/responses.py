@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from stages.service.schemas import ChatRequest, ResponsesRequest
+from stages.service.served import Caller
 from stages.service.service import PolicyService, ServiceError
 
 
@@ -112,22 +113,22 @@ class ResponsesAPI:
         if req.store is not False:
             self.store.put(rid, history + [message])
 
-    async def create(self, req: ResponsesRequest, episode_id: str | None) -> dict[str, Any]:
+    async def create(self, req: ResponsesRequest, caller: Caller) -> dict[str, Any]:
         """A plain (non-streamed) response."""
         chat, history = self._chat(req)
-        body = await self.service.chat_completion(chat, episode_id)
+        body = await self.service.chat_completion(chat, caller)
         (choice,) = body["choices"]
         output, message = self._output(choice)
         rid = "resp_" + body["id"].removeprefix("chatcmpl-")
         self._keep(rid, req, history, message)
         return self._response(rid, req, time.time(), "completed", output, body["usage"], choice["finish_reason"])
 
-    def stream(self, req: ResponsesRequest, episode_id: str | None) -> AsyncIterator[str]:
+    def stream(self, req: ResponsesRequest, caller: Caller) -> AsyncIterator[str]:
         """A streamed response: OpenAI's event sequence (module docstring). A request refused before
         generation raises here, an ordinary HTTP error; a failure during generation ends the stream
         with an `error` event and `response.failed`."""
         chat, history = self._chat(req)
-        chat_id, _, events = self.service.chat_deltas(chat, episode_id)
+        chat_id, _, events = self.service.chat_deltas(chat, caller)
         rid, created = "resp_" + chat_id.removeprefix("chatcmpl-"), time.time()
         seq = iter(range(1 << 30))
 

@@ -213,6 +213,7 @@ class ChatRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {type: function, function: {name}}
     parallel_tool_calls: bool | None = None  # false: at most one call in a constrained turn
     response_format: dict[str, Any] | None = None  # {type: text | json_object | json_schema, json_schema: {schema}}
+    metadata: dict[str, Any] | None = None  # the client's tags: kept with the call by `rlops serve` (stages/service/served.py)
 
     @field_validator("tools")
     @classmethod

@@ -2,14 +2,16 @@
 
     resolve, names = catalog_resolver(checkpoints_file, base)  # stages/service/resolve.py
     service = PolicyService(ResidentPolicy.load(base), resolve, names=names)
-    body = await service.chat_completion(request, episode_id)   # what POST /v1/chat/completions returns
+    body = await service.chat_completion(request, caller)       # what POST /v1/chat/completions returns
 
 The HTTP app around it is stages/service/app.py (the legacy `/v1/completions` endpoint: completions.py).
 The `model` field names a policy, resolved per request
 (stages/service/resolve.py); adapters are hot-loaded by the resident policy.
 
-Episodes: a call is recorded under the episode id of its `X-Episode-Id` header, else of its `user`
-field; a call with neither is served but not recorded. See stages/service/recorder.py.
+Episodes: a call is recorded under its caller's episode id (stages/service/served.py: the URL's, else its
+`X-Episode-Id` header, else its `user` field); a call with none is served but not recorded. See
+stages/service/recorder.py. A service with a `sink` (`rlops serve`) also hands it every answered chat call (chat
+completions, Responses, Messages) as a `ServedCall`, which the traffic log keeps (storage/traffic.py).
 
 Batching: requests wait in a queue; the batcher thread takes the first, collects whatever else
 arrives within `batch_window_s`, and generates each group of requests with the same policy and
@@ -49,6 +51,7 @@ from stages.policy.vlm_resident import DEFAULT_MAX_IMAGES, VisualResidentPolicy
 from stages.service.decoding import request_decoding
 from stages.service.recorder import Call, Completion, Recorder, assemble, chat_prompt
 from stages.service.resolve import EpisodePins, Names, Resolver
+from stages.service.served import Caller, ServedCall
 from stages.service.schemas import (ChatRequest, ContentMarker, call_id, logprobs_content, stop_hit, visible_text,
                                     without_tool_calls)
 from stages.service.stream import ChoiceText, TokenFeed, chat_sse
@@ -103,11 +106,13 @@ class PolicyService:
     """The model, the recorder and the batcher behind the HTTP app."""
 
     def __init__(self, policy: ResidentPolicy, resolve: Resolver, config: ServiceConfig = ServiceConfig(),
-                 names: Names = lambda: [], in_flight: Callable[[], int] | None = None) -> None:
+                 names: Names = lambda: [], in_flight: Callable[[], int] | None = None,
+                 sink: Callable[[ServedCall], None] | None = None) -> None:
         """`in_flight`, when the caller knows it (the rollout stage), is the number of episodes
         still running: a batch is generated as soon as each of them has a request queued, instead
-        of waiting out the window, and a slow straggler delays the others by the window at most."""
-        self.policy, self.resolve, self.config, self.names = policy, resolve, config, names
+        of waiting out the window, and a slow straggler delays the others by the window at most.
+        `sink` gets each answered chat call (`rlops serve`'s traffic log)."""
+        self.policy, self.resolve, self.config, self.names, self.sink = policy, resolve, config, names, sink
         self.pinned = EpisodePins(resolve)  # an episode stays on the policy its first call resolved
         self.in_flight = in_flight
         # A vision-language policy's format expands image references into placeholder tokens (vlm_chat.py).
@@ -230,22 +235,22 @@ class PolicyService:
 
     # -- endpoints -------------------------------------------------------------------------
 
-    def _chat_setup(self, req: ChatRequest, episode_id: str | None
+    def _chat_setup(self, req: ChatRequest, caller: Caller
                     ) -> tuple[ChatRequest, RowOptions, Any, list[int], list[Message], SamplingConfig]:
         """The request as served (stages/service/decoding.py), its sampler options, the episode log, prompt
         ids, conversation as the model sees it, and sampling of a chat request."""
         req, options = self._decoding(req)
         conversation = self._conversation(req)
-        log = self.recorder.get(episode_id) if episode_id else None
+        log = self.recorder.get(caller.episode) if caller.episode else None
         prompt, seen = chat_prompt(self.chat, conversation, log, self.policy.eos_ids)
         sampling = self.sampling(req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens,
                                  req.stop, len(prompt))
         return req, options, log, prompt, seen, sampling
 
     def _chat_choices(self, req: ChatRequest, rid: str, log: Any, prompt: list[int], seen: list[Message],
-                      sampling: SamplingConfig, samples: list[Sample]) -> list[dict[str, Any]]:
-        """The response's choices; records the call (streamed or not, the same record). A constraint
-        that left a row no token is a 500 naming it: no broken turn is returned or recorded."""
+                      sampling: SamplingConfig, samples: list[Sample], caller: Caller, policy_id: str) -> list[dict[str, Any]]:
+        """The response's choices; records the call (streamed or not, the same record) and hands it to the sink.
+        A constraint that left a row no token is a 500 naming it: no broken turn is returned or recorded."""
         failed = next((s.error for s in samples if s.error), None)
         if failed:
             raise ServiceError(500, failed)
@@ -268,6 +273,9 @@ class PolicyService:
                             "logprobs": {"content": logprobs_content(self.policy.tokenizer, s)} if req.logprobs else None})
         if log is not None:
             log.add(Call(seen, recorded), returned)
+        if self.sink is not None:
+            self.sink(ServedCall(caller, rid, req.model, policy_id, seen, req.tools, prompt, samples[0],
+                                 choices[0]["finish_reason"], req.n, sampling, req.seed))
         return choices
 
     def prompt_tokens(self, req: ChatRequest, episode_id: str | None) -> int:
@@ -302,24 +310,24 @@ class PolicyService:
         """The ids of the images a prompt built from `seen` holds, in placeholder order ([] for a text policy)."""
         return image_ids_of(seen) if self.vision else []
 
-    async def chat_completion(self, req: ChatRequest, episode_id: str | None) -> dict[str, Any]:
-        req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
-        _, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options, self._images(seen),
-                                         episode_id)
+    async def chat_completion(self, req: ChatRequest, caller: Caller) -> dict[str, Any]:
+        req, options, log, prompt, seen, sampling = self._chat_setup(req, caller)
+        policy_id, samples = await self.generate(req.model, [prompt] * req.n, sampling, req.seed, options,
+                                                 self._images(seen), caller.episode)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
-                "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples),
+                "choices": self._chat_choices(req, rid, log, prompt, seen, sampling, samples, caller, policy_id),
                 "usage": usage(len(prompt), samples)}
 
-    def chat_deltas(self, req: ChatRequest, episode_id: str | None) -> tuple[str, int, AsyncIterator[tuple]]:
+    def chat_deltas(self, req: ChatRequest, caller: Caller) -> tuple[str, int, AsyncIterator[tuple]]:
         """Start a chat request's generation and return (response id, prompt tokens, its events): ("text", choice,
         settled content), then ("end", choices as a plain response has them, the content each choice
         still has to send, usage) or ("error", message). A request refused before generation raises
         here, so it is an ordinary HTTP error; the recording is the plain call's (`_chat_choices`)."""
-        req, options, log, prompt, seen, sampling = self._chat_setup(req, episode_id)
+        req, options, log, prompt, seen, sampling = self._chat_setup(req, caller)
         feed = TokenFeed()
         job = self.submit(req.model, [prompt] * req.n, sampling, req.seed, options, on_step=feed.on_step,
-                          images=self._images(seen), episode=episode_id)
+                          images=self._images(seen), episode=caller.episode)
         feed.watch(job.future)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -331,7 +339,7 @@ class PolicyService:
                         yield ("text", i, text)
             try:
                 samples = job.future.result()
-                choices = self._chat_choices(req, rid, log, prompt, seen, sampling, samples)
+                choices = self._chat_choices(req, rid, log, prompt, seen, sampling, samples, caller, job.policy_id)
             except Exception as e:  # noqa: BLE001 - the stream has started: the error ends it as an event
                 yield ("error", f"{type(e).__name__}: {e}")
                 return
@@ -340,9 +348,9 @@ class PolicyService:
 
         return rid, len(prompt), events()
 
-    def chat_completion_stream(self, req: ChatRequest, episode_id: str | None) -> AsyncIterator[str]:
+    def chat_completion_stream(self, req: ChatRequest, caller: Caller) -> AsyncIterator[str]:
         """The Server-Sent Events of a streamed chat completion (stages/service/stream.py)."""
-        rid, _, events = self.chat_deltas(req, episode_id)
+        rid, _, events = self.chat_deltas(req, caller)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return chat_sse(rid, req.model, req.n, include_usage, events)
 
