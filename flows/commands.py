@@ -20,7 +20,7 @@ from flows.registry import command, guard, print_rows
 def _config(args: argparse.Namespace):  # -> RunConfig
     from flows.run_config import load_run_config
 
-    return load_run_config(args.config, args.set)
+    return load_run_config(args.config, args.set, args.workspace)
 
 
 def _prefect_env(workspace: Path) -> None:

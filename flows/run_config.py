@@ -263,9 +263,15 @@ def vision_language_problems(cfg: RunConfig, task: Task | None) -> list[str]:
     return [f"base_model: {cfg.base_model} is a vision-language model; not supported with it yet: {p}" for p in found]
 
 
-def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read, override and validate a pipeline config; raise one ConfigError listing every problem."""
+def load_run_config(path: str | Path, overrides: list[str] | None = None, workspace: str | Path | None = None) -> RunConfig:
+    """Read, override and validate a pipeline config; raise one ConfigError listing every problem. `workspace` (the
+    command's): where a task that reads the workspace (`traffic`) reads, unless its params name one."""
     cfg = load_config(RunConfig, path, overrides)
+    if cfg.task.name == "traffic":
+        from storage.settings import Settings
+        from tasks.traffic import in_workspace
+
+        cfg.task.params = in_workspace(cfg.task.params, str(Settings.from_env(workspace).workspace))
     problems = semantic_problems(cfg)
     if problems:
         raise ConfigError(f"{path} is invalid ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - "

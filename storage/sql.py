@@ -253,8 +253,9 @@ class Sandbox:
         ):
             self.con.execute(stmt)
 
-    def query(self, sql: str) -> pa.Table:
-        """Run SELECT/EXPLAIN statements; return the last one's result.
+    def query(self, sql: str, params: list | dict | None = None) -> pa.Table:
+        """Run SELECT/EXPLAIN statements; return the last one's result. `params` fill the placeholders of a single
+        statement (a task's filter written by a person goes in `sql`, the values it is compared with here).
 
         Raises RefusedStatement for any other statement (before running anything),
         QueryTimeout past the timeout, duckdb.Error for bad SQL.
@@ -270,8 +271,10 @@ class Sandbox:
         timer.start()
         try:
             result = None
+            if params is not None and len(statements) != 1:
+                raise RefusedStatement("parameters fill one statement; got several")
             for s in statements:
-                result = self.con.sql(s.query).to_arrow_table()
+                result = self.con.sql(s.query, params=params).to_arrow_table()
             return result
         except duckdb.InterruptException as e:
             raise QueryTimeout(f"query interrupted after {self.timeout_s:.0f} s") from e

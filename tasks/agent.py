@@ -191,6 +191,20 @@ def make_task(prompts: str, entry: str | None = None, url: str | None = None, ve
     if not path.exists():
         raise ValueError(f"prompts file not found: {path}")
     splits = read_prompts(path)
+
+    def by_split(split: str) -> list[Prompt]:
+        return list(splits.get(split, []))
+
+    return Task(name=name, system_prompt="", prompts=by_split,
+                agent=agent_spec(entry, url, version, path.read_bytes(), max_error_frac, episode_timeout))
+
+
+def agent_spec(entry: str | None, url: str | None, version: str | None, data: bytes, max_error_frac: float,
+               episode_timeout: float) -> AgentSpec:
+    """How the rollout stage runs the agent an `entry` or a `url` names; its version hashes the agent's code (or the
+    service's version) with `data`, what its prompts are read from (a prompts file, the traffic task's scenarios)."""
+    if (entry is None) == (url is None):
+        raise ValueError("task.params: give either 'entry' (a coroutine function) or 'url' (an agent service)")
     if entry is not None:
         if version is not None:
             raise ValueError("task.params.version is for an agent service (url); an entry's version is its source's hash")
@@ -202,13 +216,8 @@ def make_task(prompts: str, entry: str | None = None, url: str | None = None, ve
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"task.params.url: an http(s) URL of the agent service's rollout endpoint, got {url!r}")
         agent_code = b"service:" + (version if version is not None else service_version(url)).encode()
-    version_hash = hashlib.sha256(agent_code + b"\0" + path.read_bytes()).hexdigest()[:16]
-
-    def by_split(split: str) -> list[Prompt]:
-        return list(splits.get(split, []))
-
-    return Task(name=name, system_prompt="", prompts=by_split,
-                agent=AgentSpec(entry, fn, version_hash, max_error_frac, episode_timeout, url=url, form=form))
+    version_hash = hashlib.sha256(agent_code + b"\0" + data).hexdigest()[:16]
+    return AgentSpec(entry, fn, version_hash, max_error_frac, episode_timeout, url=url, form=form)
 
 
 def version_url(url: str) -> str:

@@ -53,3 +53,33 @@ def reward_rows(rollouts: list[Rollout], name: str, version: str, score_batch_id
                   score_batch_id)
         for r in rollouts
     ]
+
+
+def served_call(i: int, question: str | None = None, *, episode: str | None = None, session: str | None = None,
+                user: str | None = None, at: float | None = None, system: str = "Be brief.") -> dict:
+    """A `traffic` row as `rlops serve` writes one (stages/service/served.py), for call `i`: a question (default
+    "What is i + 1?") answered at T0 + `at` (default i) seconds, in its own episode and session unless given."""
+    from datetime import timedelta
+
+    from storage.traffic import content_key, input_key
+
+    def message(role: str, content: str) -> dict:
+        return {"role": role, "content": content, "tool_calls": [], "tool_call_id": None, "name": None}
+
+    messages = [message("system", system), message("user", question or f"What is {i} + 1?")]
+    episode = episode or f"ep-{i}"
+    return {"call_id": f"chatcmpl-{i}", "served_at": SERVED_T0 + timedelta(seconds=i if at is None else at),
+            "latency_s": 0.1, "api": "chat", "stream": False, "episode_id": episode, "session_id": session or episode,
+            "user_id": user, "model": "base", "policy_id": "base", "messages": messages, "reply": str(i + 1),
+            "reply_tool_calls": 0, "finish_reason": "stop", "n": 1, "prompt_token_ids": [1, 2, 3], "token_ids": [4, 2],
+            "logprobs": [-0.5, -0.1], "prompt_tokens": 3, "completion_tokens": 2, "scenario_id": content_key(messages),
+            "input_id": input_key(messages)}
+
+
+def _t0():
+    from datetime import datetime, timezone
+
+    return datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+
+SERVED_T0 = _t0()  # when `served_call` rows start

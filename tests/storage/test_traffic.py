@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +14,13 @@ import pytest
 
 from storage.traffic import FeedbackError, TrafficLog, TrafficSettings, compact, content_key, input_key, recorded, remove_orphans
 from storage.workspace import Workspace
+from tests.factories import SERVED_T0, served_call
 
-T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
+T0 = SERVED_T0
 
 
-def call(i: int, episode: str | None = None, user: str | None = None, question: str | None = None) -> dict[str, Any]:
-    """A served call's row as stages/service/served.py makes one (the fields a test reads set, the rest null)."""
-    messages = [{"role": "system", "content": "Be brief.", "tool_calls": [], "tool_call_id": None, "name": None},
-                {"role": "user", "content": question or f"What is {i} + 1?", "tool_calls": [], "tool_call_id": None,
-                 "name": None}]
-    return {"call_id": f"chatcmpl-{i}", "served_at": T0 + timedelta(seconds=i), "latency_s": 0.1, "api": "chat",
-            "stream": False, "episode_id": episode or f"ep-{i}", "session_id": episode or f"ep-{i}", "user_id": user,
-            "model": "base", "policy_id": "base", "messages": messages, "reply": str(i + 1), "reply_tool_calls": 0,
-            "finish_reason": "stop", "n": 1, "prompt_token_ids": [1, 2, 3], "token_ids": [4, 2], "logprobs": [-0.5, -0.1],
-            "prompt_tokens": 3, "completion_tokens": 2, "scenario_id": content_key(messages), "input_id": input_key(messages)}
+def call(i: int, episode: str | None = None, user: str | None = None) -> dict[str, Any]:
+    return served_call(i, episode=episode, user=user)
 
 
 def count(ws: Workspace, table: str) -> int:
