@@ -74,7 +74,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     ws_path = _workspace_path(args)
     step_data.check_fork(ws_path, args.fork_from)  # a --from naming no checkpoint fails before the Prefect server starts
     _prefect_env(ws_path)
+    from flows.nightly import pinned
     from flows.prefect_flows import run_here, train_flow
+    from storage.workspace import Workspace
+
+    cfg = pinned(Workspace.open(ws_path), cfg)  # a traffic task's window closes now (or where a killed attempt closed it)
 
     summary = run_here(train_flow, cfg.model_dump(mode="json"), str(ws_path), fork_from=args.fork_from)
     if not args.json:
@@ -90,6 +94,30 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"      rlops report {cfg.name} --workspace {ws_path}      # PNGs, the run page and inspect pages")
         print(f"      rlops ui mlflow --workspace {ws_path}   (or: rlops ui prefect)")
     _emit(args, summary, summary["final"])
+    return 0
+
+
+@command("night")
+@guard
+def cmd_night(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    if cfg.task.name != "traffic":
+        print(f"error: `rlops night` runs the deployment loop's night on a `task: traffic` config; {args.config} has "
+              f"task {cfg.task.name!r} (`rlops run` trains it)", file=sys.stderr)
+        return 2
+    ws_path = _workspace_path(args)
+    _prefect_env(ws_path)
+    from flows.prefect_flows import run_here, traffic_night_flow
+
+    summary = run_here(traffic_night_flow, cfg.model_dump(mode="json"), str(ws_path))
+    night = summary.get("night", summary)
+    print(f"night {night['night_id']} ({night['since'] or 'the beginning'} .. {night['until']}): {night['status']}, "
+          f"{night['calls']} calls, {night['scenarios_train']} train / {night['scenarios_heldout']} held-out scenarios")
+    if summary.get("promotion"):
+        from flows.release import describe
+
+        print(describe(summary["promotion"]))
+    _emit(args, {k: v for k, v in night.items()}, night.get("final_policy") or night["status"])
     return 0
 
 
@@ -287,6 +315,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p = sub.add_parser("run", parents=[cfg], help="run (or resume) the whole pipeline under Prefect")
     p.add_argument("--from", dest="fork_from", metavar="RUN@STEP", help="fork: start this run's lineage at a checkpoint "
                    "(RUN@STEP, RUN@latest or a checkpoint id), generating new rollouts; no SFT or first evaluation")
+
+    p = sub.add_parser("night", parents=[cfg], help="one night of the deployment loop now: train on the traffic since "
+                       "the last night from the champion, gate without labels, promote (what `rlops schedule` runs)")
 
     p = sub.add_parser("stage", parents=[overrides], help="run one stage and print its artifact id")
     p.add_argument("stage", choices=["sft", "rollout", "score", "grpo", "dpo", "rm", "evaluate"])

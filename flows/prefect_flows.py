@@ -112,7 +112,7 @@ def _run_record(cfg: RunConfig, fork: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.TrainResult,
-            gate: bool, fork: dict[str, Any] | None = None) -> dict[str, Any]:
+            gate: bool, fork: dict[str, Any] | None = None, baseline: str | None = None) -> dict[str, Any]:
     from flows.mlflow_log import log_models
     from flows.promotion import gate as promotion_gate
 
@@ -120,7 +120,8 @@ def _finish(ws: Workspace, ctx: StageContext, cfg: RunConfig, result: pipeline.T
     log_models(ws, ctx.parent_run_id, cfg.name, [result.final] if cfg.mlflow_models == "final"
                else [p for p in [result.sft, *result.policies] if p], final=result.final)
     # Champion or not: registered, gated and recorded on this run before it ends (flows/promotion.py).
-    promotion = promotion_gate(cfg, ctx, result.final, prefect_call) if gate or cfg.promote is not None else None
+    promotion = (promotion_gate(cfg, ctx, result.final, prefect_call, baseline=baseline)
+                 if gate or cfg.promote is not None else None)
     ws.tracker.log_metrics(ctx.parent_run_id, {f"final.{k}": v for k, v in final.items()})
     ws.tracker.set_tags(ctx.parent_run_id, {"rlops.final_policy": result.final})
     ws.tracker.end_run(ctx.parent_run_id)
@@ -212,8 +213,46 @@ def scheduled_train_flow(config_path: str, workspace: str | None = None, overrid
     the serving champion (flows/promotion.py), every time."""
     from flows.run_config import load_run_config
 
-    cfg = load_run_config(config_path, overrides)
+    cfg = load_run_config(config_path, overrides, workspace)
+    if cfg.task.name == "traffic":  # the deployment loop: the night's traffic, from the champion (flows/nightly.py)
+        return traffic_night_flow(cfg.model_dump(mode="json"), workspace)
     return train_flow(cfg.model_dump(mode="json"), workspace, continue_lineage=True, gate=True)
+
+
+@flow(name="rlops-traffic-night")
+def traffic_night_flow(config: dict[str, Any], workspace: str | None = None) -> dict[str, Any]:
+    """One night of the deployment loop (flows/nightly.py): the traffic served since the last complete night,
+    trained from the champion, gated by the config's judge against it (or the base model before the first
+    champion), promoted when it wins. A night without train or held-out scenarios is recorded as skipped."""
+    from flows import nightly
+    from tasks.base import load_task
+
+    ws = Workspace.open(workspace)
+    night = nightly.open_night(ws, from_dict(config).name)
+    try:
+        cfg = nightly.night_config(from_dict(config), night, ws)
+        task = load_task(cfg.task.name, cfg.task.params)
+        counts = {"calls": nightly.window_calls(ws, night), "scenarios_train": len(task.prompts("train")),
+                  "scenarios_heldout": len(task.prompts(cfg.eval.split))}
+        if not counts["scenarios_train"] or not counts["scenarios_heldout"]:
+            get_run_logger().info(f"night {night['night_id']}: nothing to train or gate on ({counts}); skipped")
+            return nightly.close_night(ws, night, status="skipped", **counts)
+        ctx = _context(ws, cfg)
+        start, step = nightly.start_policy(ws, cfg)
+        background = _Background()
+        try:
+            result = pipeline.train(cfg, ctx, prefect_call, start, step, on_step=_on_step(cfg, background, ctx))
+        finally:
+            background.wait()
+        out = _finish(ws, ctx, cfg, result, gate=True, baseline=start or result.base)
+    except BaseException as e:
+        nightly.close_night(ws, night, status="failed", error=f"{type(e).__name__}: {e}"[:2000])
+        raise
+    promotion = out["promotion"] or {}
+    row = nightly.close_night(ws, night, status="complete", start_policy=start or result.base, final_policy=out["final"],
+                              promotion_id=promotion.get("promotion_id"), promoted=promotion.get("promoted"),
+                              mlflow_run_id=ctx.parent_run_id, prefect_flow_run_id=ctx.prefect_flow_run_id, **counts)
+    return {**out, "night": row}
 
 
 @flow(name="rlops-rescore")
