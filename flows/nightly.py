@@ -98,6 +98,18 @@ def start_policy(ws: Workspace, cfg: RunConfig) -> tuple[str | None, int]:
     return champion.policy_id, int(ws.catalog.get_checkpoint(champion.policy_id)["step"] or 0)
 
 
+def trace_night(ws: Workspace, night: dict[str, Any], batches: list[str], run_id: str) -> int:
+    """The night's episodes as MLflow traces on its run (storage/traces.py): every served episode of its window and
+    every episode it trained on; returns how many were made (a resumed night adds only the missing ones)."""
+    from storage.schema import Rollout, from_table
+    from storage.traces import trace_rollouts, trace_served
+
+    served = ws.query("SELECT * FROM traffic WHERE ($since IS NULL OR served_at >= $since) AND served_at < $until",
+                      {"since": night["since"], "until": night["until"]}).to_pylist()
+    trained = from_table(ws.query("SELECT * FROM rollouts WHERE list_contains($b, batch_id)", {"b": batches}), Rollout)
+    return len(trace_served(ws, served, run_id)) + len(trace_rollouts(ws, trained, run_id))
+
+
 def pinned(ws: Workspace, cfg: RunConfig) -> RunConfig:
     """A traffic run's config with its window closed (`tasks.traffic.closed`): at now, or where the run's unfinished
     attempt closed it, so a resumed `rlops run` reads the scenarios it began with. Other configs are returned as is."""

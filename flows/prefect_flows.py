@@ -245,6 +245,7 @@ def traffic_night_flow(config: dict[str, Any], workspace: str | None = None) -> 
         finally:
             background.wait()
         out = _finish(ws, ctx, cfg, result, gate=True, baseline=start or result.base)
+        nightly.trace_night(ws, night, result.batches, ctx.parent_run_id)  # what it served and trained, in MLflow
     except BaseException as e:
         nightly.close_night(ws, night, status="failed", error=f"{type(e).__name__}: {e}"[:2000])
         raise

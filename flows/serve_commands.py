@@ -24,6 +24,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from stages.common import base_policy
     from stages.policy.vlm_resident import load_resident
     from stages.policy_ref import find_checkpoint
     from stages.service.app import build_app
@@ -53,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_images is not None:
         config = replace(config, max_images=args.max_images)
     traffic = TrafficLog(ws, traffic_settings(args)) if fraction > 0 else None
-    sink = recording_sink(traffic, registry, fraction) if traffic is not None else None
+    sink = recording_sink(traffic, registry, fraction, base_policy(ws, base_model)) if traffic is not None else None
     service = PolicyService(policy, resolve, config, names, sink=sink)
     policy_id, adapter_dir = resolve(args.policy)
     policy.generate(policy_id, adapter_dir, [[policy.tokenizer.eos_token_id]],  # load the adapter now
@@ -122,9 +123,11 @@ def traffic_settings(args: argparse.Namespace) -> Any:
                            flush_seconds=args.flush_seconds)
 
 
-def recording_sink(traffic: Any, registry: Any, fraction: float) -> Any:
+def recording_sink(traffic: Any, registry: Any, fraction: float, base_id: str | None = None) -> Any:
     """What the service calls with each answered call: the calls of the recorded share of episodes become `traffic`
-    rows, with the registered model, alias and version a request's model named."""
+    rows, with the registered model, alias and version a request's model named. `base_id`: the base model's policy
+    id in the workspace (`stages.common.base_policy`), recorded where the service says `base`, so a served call
+    names the same policy the pipeline's rows do."""
     from stages.service.served import traffic_row
     from storage.registry import ModelRef
     from storage.traffic import recorded
@@ -140,7 +143,8 @@ def recording_sink(traffic: Any, registry: Any, fraction: float) -> Any:
 
     def sink(call: Any) -> None:
         if recorded(call.caller.episode or call.call_id, fraction):
-            traffic.add(traffic_row(call, registry_of(call.model, call.policy_id)))
+            row = traffic_row(call, registry_of(call.model, call.policy_id))
+            traffic.add({**row, "policy_id": base_id} if base_id and row["policy_id"] == "base" else row)
 
     return sink
 

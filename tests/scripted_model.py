@@ -92,6 +92,28 @@ def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-
     return out
 
 
+def train_mixed(model_dir: Path, out: Path, conversations: list[tuple[list[dict[str, Any]], float]], steps: int,
+                lr: float = 1e-2) -> Path:
+    """Train a copy of the tiny model at `model_dir` on several conversations at once, each loss weighted: its first
+    answer token tends to the weights' mixture (it barely reads the question yet). Saved to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokens = [(conversation_tokens(tok, messages), weight) for messages, weight in conversations]
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = sum(weight * labelled_loss(model, ids, labels) for (ids, labels), weight in tokens)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def scripted_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model folder whose greedy answer to the scripted question is the scripted tool call (trained
