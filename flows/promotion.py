@@ -2,6 +2,7 @@
 against the serving champion, and every decision is recorded.
 
     decision = gate(cfg, ctx, final, call)                    # the end of a gated run (flows/prefect_flows.py)
+    decision = gate(cfg, ctx, final, call, baseline="base-...")  # a judge gate's first night: against what served
     decision = promote(ws, "nightly", "ck-...", reason="...")  # `rlops promote`: a person's choice
     decision = rollback(ws, "nightly", reason="...")           # `rlops rollback`: the previous champion back
 
@@ -9,6 +10,9 @@ The registered model is `promote.model_name` (default: the run's name); each ver
 lineage as tags (flows.mlflow_log.lineage_tags). The final checkpoint gets the alias `challenger`; it gets
 `champion` when it is the model's first version, or when the gate's rule (stages/promote.py) says so after
 both were evaluated on the same held-out prompts. Serving follows `champion` (stages/service/resolve.py).
+With `promote.judge` the gate needs no labels: both answer the held-out prompts greedily and a pairwise judge
+compares the answers (stages/judge_gate.py); its first version, when the run started from a `baseline` that
+served before (the base model, say), must beat that baseline the same way instead of winning by default.
 
 Every decision is a row of the catalog's `promotions` table (`rlops sql "SELECT * FROM promotions"`) and tags
 and metrics on an MLflow run: the pipeline's parent run for the gate, a run `promotion:NAME` for a person's.
@@ -23,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from flows.mlflow_log import MAX_TAG, lineage, lineage_tags, log_models, logged_model_id
 from flows.pipeline import Call, direct
-from stages import evaluate
-from stages.promote import decide, gate_eval, rule
+from stages import evaluate, judge_gate
+from stages.promote import decide, decide_by_judge, gate_eval, rule
 from storage.registry import Registry, Version
 from storage.schema import now
 
@@ -51,11 +55,15 @@ def register(ws: Workspace, name: str, policy_id: str, run_id: str, run_name: st
                              model_id=model_id, tags=lineage_tags(run_name, lineage(ws, policy_id)))
 
 
-def gate(cfg: RunConfig, ctx: StageContext, final: str, call: Call = direct) -> dict[str, Any] | None:
+def gate(cfg: RunConfig, ctx: StageContext, final: str, call: Call = direct, *,
+         baseline: str | None = None) -> dict[str, Any] | None:
     """Register the run's final checkpoint as the `challenger` and decide whether it becomes the `champion`
     (the module docstring); returns the decision's row, or None when there is nothing to decide (the final
     policy is the base model, or already the champion). `ctx.parent_run_id` is the run's MLflow parent run:
-    the version's source run, and where the decision is logged."""
+    the version's source run, and where the decision is logged. `baseline`: the policy the run started from and
+    that served until now (a checkpoint or the base model, which is never registered); with a judge gate and no
+    champion yet, the challenger is compared with it (action `gate`, champion = the baseline, no version) and
+    becomes the first champion only if it wins. Without it, or with a labelled gate, the first version wins."""
     ws, config = ctx.ws, cfg.gate_config
     name = config.model_name or cfg.name
     if ws.catalog.get_checkpoint(final)["kind"] == "base":
@@ -66,13 +74,20 @@ def gate(cfg: RunConfig, ctx: StageContext, final: str, call: Call = direct) -> 
     champion = champion_of(registry, name)
     if champion is not None and champion.policy_id == final:
         return None
-    base = {"model_name": name, "challenger": final, "challenger_version": version, "metric": config.metric,
-            "rule": rule(config), "run_name": cfg.name, "mlflow_run_id": ctx.parent_run_id}
-    if (done := _decided(ws, name, champion.policy_id if champion else None, final)) is not None:
+    judged = config.judge is not None
+    against = champion.policy_id if champion else (baseline if judged and baseline not in (None, final) else None)
+    base = {"model_name": name, "challenger": final, "challenger_version": version, "rule": rule(config),
+            "metric": "judge_win_rate" if judged else config.metric, "run_name": cfg.name,
+            "mlflow_run_id": ctx.parent_run_id}
+    if (done := _decided(ws, name, against, final)) is not None:
         row = done  # decided before this process was stopped: only the alias may be left to move
-    elif champion is None:
+    elif against is None:
         row = record(ws, base | {"action": "first", "promoted": True,
                                  "reason": f"the first version of {name}: no champion to beat"})
+    elif judged:
+        row = record(ws, base | {"action": "gate", "champion": against,
+                                 "champion_version": champion.version if champion else None,
+                                 **_judged(cfg, ctx, against, final, call)})
     else:
         evaluation = gate_eval(cfg.eval, config)
         evals = [call(f"gate-evaluate-{p}", evaluate.run, evaluation, ctx, policy_id=p, task=cfg.task,
@@ -88,6 +103,24 @@ def gate(cfg: RunConfig, ctx: StageContext, final: str, call: Call = direct) -> 
     if row["promoted"]:
         registry.set_alias(name, CHAMPION, version)
     return row
+
+
+def _judged(cfg: RunConfig, ctx: StageContext, champion: str, challenger: str, call: Call) -> dict[str, Any]:
+    """The judge gate's comparison of `challenger` with `champion` (the champion, or the baseline): their greedy
+    answers, the judge's verdicts (stages/judge_gate.py) and the decision, as the fields of a promotions row."""
+    config = cfg.gate_config
+    answers = [call(f"gate-answer-{p}", judge_gate.answer, ctx, policy_id=p, task=cfg.task,
+                    rollout_config=cfg.rollout, eval_config=cfg.eval).id for p in (champion, challenger)]
+    judging = judge_gate.JudgeGateConfig(judge=config.judge, level=config.level, resamples=config.resamples)
+    verdicts = call("gate-judge", judge_gate.run, judging, ctx, champion_batch=answers[0],
+                    challenger_batch=answers[1]).id
+    m = judge_gate.outcome(ctx.ws, verdicts)
+    promoted, reason = decide_by_judge(m, config)
+    return {"promoted": promoted, "reason": reason, "prompts": m.prompts, "low": m.low, "high": m.high,
+            "challenger_value": m.win_rate, "champion_value": None if m.win_rate is None else 1 - m.win_rate,
+            "difference": None if m.win_rate is None else m.win_rate - config.min_win_rate,
+            "champion_eval": answers[0], "challenger_eval": answers[1], "judge_version": m.judge_version,
+            "verdicts": verdicts}
 
 
 def promote(ws: Workspace, name: str, policy_id: str, reason: str) -> dict[str, Any]:
@@ -159,7 +192,7 @@ def record(ws: Workspace, row: dict[str, Any]) -> dict[str, Any]:
     ws.catalog.add_promotion(row)
     tags = {f"rlops.promotion.{k}": str(row[k])[:MAX_TAG] for k in
             ("promotion_id", "model_name", "action", "promoted", "reason", "rule", "champion", "champion_version",
-             "challenger", "challenger_version") if row.get(k) is not None}
+             "challenger", "challenger_version", "judge_version", "verdicts") if row.get(k) is not None}
     ws.tracker.set_tags(row["mlflow_run_id"], tags)
     ws.tracker.log_metrics(row["mlflow_run_id"], {f"promotion/{k}": row[k] for k in
                                                   ("champion_value", "challenger_value", "difference", "low", "high")
@@ -172,6 +205,7 @@ def _was(champion: Version | None) -> dict[str, Any]:
 
 
 def _decided(ws: Workspace, name: str, champion: str | None, challenger: str) -> dict[str, Any] | None:
-    """The gate's earlier decision on this champion (None: there was none, the first version) and challenger."""
+    """The gate's earlier decision on this champion (or baseline; None: there was none, the first version) and
+    challenger."""
     return next((r for r in ws.catalog.promotions(name) if r["action"] in ("gate", "first")
                  and r["champion"] == champion and r["challenger"] == challenger), None)

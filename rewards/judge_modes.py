@@ -5,7 +5,8 @@ judge's first-token log-probabilities (one prefill per request, no reply), besid
 - `yes_no`: per trajectory, "does it achieve its goal?" -> P(true) among true/false (yes/no).
 - `scale`: per trajectory, 1-5 -> the expected rating under the judge's distribution, mapped to [0, 1].
 - `pairwise`: per pair, "which is better, 1 or 2?" asked in both orders -> P(better) averaged over the orders
-  (position bias cancels); a trajectory's score is its mean over the others: n(n-1) requests per group.
+  (position bias cancels); a trajectory's score is its mean over the others: n(n-1) requests per group. Its
+  details keep each order's probability too (`order_probs`: the label-free promotion gate records both).
 
 A request binds the first token to the choices with a JSON schema (a boolean, an integer enum) where the endpoint
 takes one (`rlops serve`: its log-probs are then the bound distribution's); otherwise the choices are read from
@@ -132,8 +133,9 @@ def judge_group(trajectories: Sequence[list[dict[str, Any]]], mode: str, client:
                 schema: bool = True, concurrency: int = 4,
                 on_cost: Callable[[Sequence[Completion], bool], None] | None = None) -> list[tuple[float, dict[str, Any]]]:
     """(score in [0, 1], details) per trajectory, in input order, by a pointwise mode (`yes_no`, `scale`: one
-    request per trajectory) or `pairwise` (both orders of every pair). The shared leading messages are shown once as
-    context, as in the ranking. JudgeError when the judge fails or names no choice."""
+    request per trajectory) or `pairwise` (both orders of every pair; details: `win_probs` and `order_probs`, per
+    other trajectory, P(this one better) when shown first and when shown second). The shared leading messages are
+    shown once as context, as in the ranking. JudgeError when the judge fails or names no choice."""
     if mode not in SPECS:
         raise ValueError(f"judge mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "pairwise" and len(trajectories) < 2:
@@ -154,9 +156,12 @@ def judge_group(trajectories: Sequence[list[dict[str, Any]]], mode: str, client:
     first: dict[tuple[int, int], float] = {(o[0], o[1]): v for o, (v, _) in zip(shown, answers)}
     out = []
     for i in range(len(bodies)):
-        wins = {j: (first[(i, j)] + 1.0 - first[(j, i)]) / 2 for j in range(len(bodies)) if j != i}
-        out.append((sum(wins.values()) / len(wins), {"judge_mode": mode, "win_probs": [round(w, 4) for w in wins.values()],
-                                                     "order_agreement": _agreement(first, i)}))
+        others = [j for j in range(len(bodies)) if j != i]
+        orders = [(first[(i, j)], 1.0 - first[(j, i)]) for j in others]  # per other: (i shown first, i shown second)
+        wins = [(a + b) / 2 for a, b in orders]
+        out.append((sum(wins) / len(wins), {"judge_mode": mode, "win_probs": [round(w, 4) for w in wins],
+                                            "order_probs": [list(o) for o in orders],
+                                            "order_agreement": _agreement(first, i)}))
     return out
 
 

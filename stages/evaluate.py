@@ -56,11 +56,8 @@ class EvalConfig(BaseModel):
 def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_stage.TaskSpec,
         rollout_config: rollout_stage.RolloutConfig, score_config: score_stage.ScoreConfig) -> ArtifactRef:
     """Evaluate `policy_id`; returns the evals artifact (its rows are in the `evals` view)."""
-    available = len(_task_prompts(task, config.split))
-    n = min(config.n_prompts or available, available)
-    roll_cfg = rollout_config.model_copy(update={"temperature": config.temperature, "group_size": config.samples,
-                                                 "prompts_per_step": n,
-                                                 "groups_per_shard": groups_per_call(config, rollout_config)})
+    roll_cfg = episodes_config(config, rollout_config, task)
+    n = roll_cfg.prompts_per_step
     batch = rollout_stage.run(roll_cfg, ctx, policy_id, task, split=config.split, step=0)
     score_config = score_stage.in_workspace(score_config, ctx.ws)  # the version scored is the one read below
     scored = score_stage.run(score_config, ctx, [batch.id])
@@ -76,6 +73,19 @@ def run(config: EvalConfig, ctx: StageContext, policy_id: str, task: rollout_sta
                      {"eval": config, "metric": str(metric)}, body,
                      meta={"policy_id": policy_id, "split": config.split, "metric": str(metric),
                            "success_threshold": config.success_threshold, "rollouts": batch.id})
+
+
+def episodes_config(config: EvalConfig, rollout_config: rollout_stage.RolloutConfig,
+                    task: rollout_stage.TaskSpec) -> rollout_stage.RolloutConfig:
+    """The rollout config of an evaluation's episodes (run on `config.split` at step 0): the split's first
+    `n_prompts` prompts (all of them when it has fewer), `samples` each at `temperature`. The one home of which
+    held-out episodes an evaluation makes; the label-free gate's answers are its greedy single samples
+    (stages/judge_gate.py), so the two share a rollout batch where the settings agree."""
+    available = len(_task_prompts(task, config.split))
+    n = min(config.n_prompts or available, available)
+    return rollout_config.model_copy(update={"temperature": config.temperature, "group_size": config.samples,
+                                             "prompts_per_step": n,
+                                             "groups_per_shard": groups_per_call(config, rollout_config)})
 
 
 def groups_per_call(config: EvalConfig, rollout_config: rollout_stage.RolloutConfig) -> int:

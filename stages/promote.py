@@ -7,8 +7,11 @@
 Both policies are evaluated on the same held-out prompts with the same reward, and the difference of their
 per-prompt statistic gets a paired bootstrap interval (`stages.evaluate.paired`, as `rlops eval compare`).
 The challenger is promoted only when the interval's lower bound is above `min_gain`: with the default 0,
-when it is better and the difference is not within the prompt-to-prompt noise. Registering, moving the
-aliases and recording each decision is flows/promotion.py's.
+when it is better and the difference is not within the prompt-to-prompt noise.
+
+Without labels (`judge:` set), both answer the held-out prompts greedily and a pairwise judge compares the answers
+(stages/judge_gate.py); `decide_by_judge` promotes when the lower bound of the challenger's win-rate interval is
+above `min_win_rate`. Registering, moving the aliases and recording each decision is flows/promotion.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.evaluate import Comparison, EvalConfig
+from stages.judge_gate import GateJudge, JudgeOutcome
 from storage.registry import NAME_PATTERN
 
 
@@ -37,6 +41,13 @@ class PromoteConfig(BaseModel):
     # measure each prompt's success rate more finely. With samples > 1 a temperature > 0 is needed.
     samples: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)  # None: the run's eval.temperature (greedy by default)
+    # A judge instead of labels: served traffic has no ground truth, so both policies answer the held-out prompts
+    # greedily and this judge compares the answers pairwise (stages/judge_gate.py); `metric`, `min_gain`, `samples`
+    # and `temperature` are then not used. None: the labelled gate above.
+    judge: GateJudge | None = None
+    # With a judge: promote when the lower bound of the challenger's win-rate interval is above this. 0.5 asks for
+    # "the judge prefers the challenger, beyond the prompt-to-prompt noise"; a tie on every prompt is 0.5 exactly.
+    min_win_rate: float = Field(0.5, ge=0.0, lt=1.0)
 
 
 def gate_eval(run_eval: EvalConfig, config: PromoteConfig) -> EvalConfig:
@@ -53,6 +64,10 @@ def gate_eval(run_eval: EvalConfig, config: PromoteConfig) -> EvalConfig:
 
 def gate_problems(run_eval: EvalConfig, config: PromoteConfig) -> list[str]:
     """What makes the gate unusable with this evaluation, each as `promote.<field>: ...` (before any work)."""
+    if config.judge is not None:
+        return _judge_problems(config)
+    if config.min_win_rate != PromoteConfig.model_fields["min_win_rate"].default:
+        return ["promote.min_win_rate: is the judge gate's threshold; set promote.judge, or use promote.min_gain"]
     evaluation = gate_eval(run_eval, config)
     produced = ["accuracy", "reward_mean"] + ([f"pass@{evaluation.samples}"] if evaluation.samples > 1 else [])
     problems = []
@@ -65,8 +80,30 @@ def gate_problems(run_eval: EvalConfig, config: PromoteConfig) -> list[str]:
     return problems
 
 
+def _judge_problems(config: PromoteConfig) -> list[str]:
+    """A judge gate's problems: a judge it cannot reach, and the labelled gate's settings, which it would ignore
+    (compared by value: a config written back out carries every default)."""
+    judge, defaults, problems = config.judge, PromoteConfig.model_fields, []
+    if judge.backend == "openai" and not judge.base_url:
+        problems.append("promote.judge.base_url: the openai backend needs the judge's endpoint "
+                        "(e.g. http://localhost:8000/v1)")
+    if (config.samples or 1) > 1:
+        problems.append(f"promote.samples: {config.samples} answers per prompt, but a judge gate compares one greedy "
+                        "answer per prompt; remove it")
+    if (config.temperature or 0.0) > 0.0:
+        problems.append("promote.temperature: a judge gate's answers are greedy; remove it")
+    for name, instead in (("metric", "the judge's win rate"), ("min_gain", "promote.min_win_rate")):
+        if getattr(config, name) != defaults[name].default:
+            problems.append(f"promote.{name}: not used by a judge gate, which decides on {instead}; remove it")
+    return problems
+
+
 def rule(config: PromoteConfig) -> str:
     """The decision rule in words, as each promotions row records it."""
+    if config.judge is not None:
+        return (f"promote when the lower bound of the {config.level:.0%} bootstrap interval of the challenger's win "
+                f"rate against the champion (greedy answers to the held-out prompts, judged pairwise in both orders by "
+                f"{config.judge.model}) is above {config.min_win_rate:g}")
     return (f"promote when the lower bound of the {config.level:.0%} paired bootstrap interval of "
             f"{config.metric}(challenger) - {config.metric}(champion) is above {config.min_gain:g}")
 
@@ -83,3 +120,21 @@ def decide(comparison: Comparison, config: PromoteConfig) -> tuple[bool, str]:
                        f"{config.min_gain:g})")
     return False, (f"{measured}; the lower bound does not clear min_gain {config.min_gain:g} (not better beyond the "
                    "noise)")
+
+
+def decide_by_judge(measured: JudgeOutcome, config: PromoteConfig) -> tuple[bool, str]:
+    """(promoted, why) for a judge's comparison of the challenger with the champion (stages.judge_gate.outcome):
+    promoted when the lower bound of the win-rate interval is above `min_win_rate`."""
+    m, threshold = measured, config.min_win_rate
+    failed = f", {m.errors} without a verdict (their rows' error says why)" if m.errors else ""
+    if m.win_rate is None or m.low is None or m.high is None:
+        return False, f"the judge gave no verdict on any prompt{failed}: nothing to promote on"
+    measured_text = (f"challenger's win rate {m.win_rate:.3f} on {m.prompts} prompts{failed}, "
+                     f"{m.level:.0%} interval [{m.low:.3f}, {m.high:.3f}]")
+    if m.low > threshold:
+        return True, f"{measured_text}; the lower bound clears min_win_rate {threshold:g}"
+    if m.high < threshold:
+        return False, (f"{measured_text}; the judge prefers the champion beyond the noise (the whole interval is "
+                       f"below {threshold:g})")
+    return False, (f"{measured_text}; the lower bound does not clear min_win_rate {threshold:g} (not preferred "
+                   "beyond the noise)")

@@ -30,6 +30,8 @@ from stages.common import StageContext
 from storage.registry import Registry
 from storage.workspace import Workspace
 from tests.built_once import built_once
+from tests.rewards.conftest import judge_server  # noqa: F401 - the judge_server fixture
+from tests.rewards.test_judge_modes import shown, top_reply
 from tests.processes import free_port, start_run, stop, wait_until
 from tests.scripted_model import train_scripted
 
@@ -176,11 +178,56 @@ def test_serving_follows_the_champion_between_episodes(gated, tmp_path, capsys):
 
     capsys.readouterr()
     assert main(["sql", "SELECT action, promoted, champion_version, challenger_version, reason FROM promotions "
-                 "ORDER BY decided_at", "--format", "json", "--workspace", str(ws.root)]) == 0
+                 f"WHERE model_name = '{NAME}' ORDER BY decided_at", "--format", "json",
+                 "--workspace", str(ws.root)]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["action"], r["promoted"], r["champion_version"], r["challenger_version"]) for r in rows] == [
         ("first", True, None, "1"), ("gate", False, "1", "2"), ("manual", True, "1", "2"), ("rollback", True, "2", "1")]
     assert rows[2]["reason"] == "a person overrides the gate"
+
+
+def test_a_judge_gate_without_labels_beats_the_baseline_then_guards_the_champion(gated, judge_server):  # noqa: F811
+    """Served traffic has no labels: the judge compares greedy answers. A scripted judge that dislikes "7" prefers
+    run 2's answers to those of the base model the loop served, so run 2 becomes the first champion of `judged`;
+    run 1's checkpoint, which answers 7 again, then loses to it. The base model is never registered."""
+    ws, base, first, second = gated.ws, gated.first.base, gated.first.final, gated.second.final
+
+    def respond(body, headers):  # P("1") = 0.9 when only the first-shown answer is not 7
+        a, b = (answer != "7" for answer in shown(body))
+        return top_reply({"1": 0.5 + 0.4 * (a - b), "2": 0.5 - 0.4 * (a - b)})
+
+    judge_server.respond = respond
+    cfg = from_dict({**gated.bad, "promote": {"model_name": "judged", "resamples": 2000, "judge": {
+        "model": "scripted-judge", "base_url": judge_server.url, "timeout": 5.0}}})
+    ctx = StageContext(ws, run_name=NAME, parent_run_id=ws.tracker.start_run("pipeline:judged"))
+    row = gate(cfg, ctx, second, baseline=base)
+    assert (row["action"], row["promoted"], row["champion"], row["champion_version"]) == ("gate", True, base, None)
+    assert (row["metric"], row["prompts"], row["challenger_value"], row["difference"]) == (
+        "judge_win_rate", 10, pytest.approx(0.9), pytest.approx(0.4))
+    assert row["low"] > 0.5 and "clears min_win_rate 0.5" in row["reason"] and "judged pairwise" in row["rule"]
+    assert len(judge_server.requests) == 20  # both orders of ten held-out prompts
+    registry = Registry(ws.tracker.client)
+    assert registry.get("judged", alias="champion").policy_id == second
+    assert registry.version_of("judged", base) is None
+    # The decision's verdicts, through the promotions row (docs/PROMOTION.md, "A gate without labels").
+    verdicts = ws.query("SELECT v.prompt_id, v.win, v.champion, v.judge_version FROM promotions p "
+                        "JOIN verdicts v ON v.comparison_id = p.verdicts WHERE p.promotion_id = $id",
+                        {"id": row["promotion_id"]}).to_pylist()
+    assert len(verdicts) == 10 and {(v["champion"], v["judge_version"]) for v in verdicts} == {
+        (base, row["judge_version"])}
+    batches = [ws.catalog.get_artifact(row[k]) for k in ("champion_eval", "challenger_eval")]
+    assert [(b["kind"], b["meta"]["policy_id"]) for b in batches] == [("rollouts", base), ("rollouts", second)]
+    assert gate(cfg, ctx, second, baseline=base) is None  # a rerun: already the champion, nothing to decide
+
+    back = gate(cfg, ctx, first, baseline=base)  # a champion now: the baseline is not used
+    assert (back["action"], back["promoted"], back["champion"], back["champion_version"]) == (
+        "gate", False, second, "1")
+    assert back["challenger_value"] == pytest.approx(0.1) and "prefers the champion" in back["reason"]
+    assert gate(cfg, ctx, first, baseline=base)["promotion_id"] == back["promotion_id"]  # a rerun finds its decision
+    assert registry.get("judged", alias="champion").policy_id == second
+    # Run 1 answers 7 as the base model does: the same pairs of answers, so the judge's cache answered them all.
+    assert len(judge_server.requests) == 20
+    assert len(ws.catalog.promotions("judged")) == 2
 
 
 def _answers(url: str) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stages.evaluate import Comparison, EvalConfig
-from stages.promote import PromoteConfig, decide, gate_eval, gate_problems
+from stages.promote import PromoteConfig, decide, decide_by_judge, gate_eval, gate_problems
 from storage.registry import ModelRef
 
 
@@ -47,6 +47,41 @@ def test_the_gate_evaluates_as_the_run_does_unless_asked_for_samples():
 def test_a_gate_metric_must_be_one_the_evaluation_produces(promote, problem):
     found = gate_problems(EvalConfig(), promote)
     assert (found == []) if problem is None else any(problem in p for p in found)
+
+
+JUDGE = {"model": "judge", "base_url": "http://127.0.0.1:8000/v1"}
+
+
+@pytest.mark.parametrize("promote, problem", [
+    (PromoteConfig(judge=JUDGE), None),
+    (PromoteConfig(judge=JUDGE, min_win_rate=0.6, level=0.9), None),
+    (PromoteConfig(judge={"model": "/models/judge", "backend": "transformers"}), None),
+    (PromoteConfig(judge={"model": "judge"}), "promote.judge.base_url: the openai backend needs"),
+    (PromoteConfig(judge=JUDGE, samples=4, temperature=0.7), "compares one greedy answer per prompt"),
+    (PromoteConfig(judge=JUDGE, temperature=0.7), "promote.temperature: a judge gate's answers are greedy"),
+    (PromoteConfig(judge=JUDGE, metric="reward_mean"), "promote.metric: not used by a judge gate"),
+    (PromoteConfig(judge=JUDGE, min_gain=0.1), "decides on promote.min_win_rate"),
+    (PromoteConfig(min_win_rate=0.6), "promote.min_win_rate: is the judge gate's threshold"),
+])
+def test_a_judge_gate_is_checked_before_any_work(promote, problem):
+    found = gate_problems(EvalConfig(samples=4, temperature=1.0), promote)  # the run's own eval is not the gate's
+    assert (found == []) if problem is None else any(problem in p for p in found)
+
+
+@pytest.mark.parametrize("win_rate, low, high, promoted, why", [
+    (0.70, 0.58, 0.81, True, "clears min_win_rate 0.5"),
+    (0.56, 0.47, 0.65, False, "does not clear min_win_rate 0.5"),
+    (0.50, 0.50, 0.50, False, "does not clear"),  # a tie everywhere (or a judge that always picks the first shown)
+    (0.30, 0.21, 0.40, False, "prefers the champion beyond the noise"),
+    (None, None, None, False, "the judge gave no verdict on any prompt, 12 without a verdict"),
+])
+def test_the_win_rates_lower_bound_decides(win_rate, low, high, promoted, why):
+    from stages.judge_gate import JudgeOutcome
+
+    measured = JudgeOutcome(win_rate, low, high, prompts=0 if win_rate is None else 12,
+                            errors=12 if win_rate is None else 0, judge_version="v", level=0.95)
+    decision, reason = decide_by_judge(measured, PromoteConfig(judge=JUDGE))
+    assert decision is promoted and why in reason
 
 
 @pytest.mark.parametrize("text, ref", [
