@@ -175,7 +175,7 @@ def semantic_problems(cfg: RunConfig) -> list[str]:
     try:
         task = load_task(cfg.task.name, cfg.task.params)
         for split in ("train", cfg.eval.split):
-            if not task.prompts(split):
+            if not task.prompts(split) and not task.live:
                 problems.append(f"task: split {split!r} has no prompts")
         if task.agent is not None and task.agent.check_sessions is not None:
             task.agent.check_sessions(concurrent_episodes(cfg.rollout, cfg.rollout.prompts_per_step))

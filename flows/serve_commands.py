@@ -32,10 +32,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from stages.service.service import PolicyService, ServiceConfig
     from storage.images import ImageStore
     from storage.registry import Registry
+    from storage.settings import expand_cache
     from storage.traffic import TrafficLog
     from storage.workspace import Workspace
 
     fraction = record_fraction(args.record)
+    args.base_model = expand_cache(args.base_model)  # `$RLOPS_CACHE/models/...`: a model a make target built there
     ws = Workspace.open(args.workspace)
     if fraction > 0 or args.fallback:
         ws.tracker  # noqa: B018 - the MLflow database exists, so a champion registered later is found by this server

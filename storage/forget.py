@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -47,6 +47,8 @@ def forget(ws: Workspace, scope: str, subject: str) -> dict[str, Any]:
     checkpoints trained on it (`checkpoints`: policy_id, run_name, step, how, registered)."""
     if scope not in SCOPES:
         raise ValueError(f"forget: a user, session or episode, got {scope!r}")
+    if not ws.data.local:
+        raise ValueError(f"forget rewrites the data files in place; {ws.data.root} is object storage (not supported yet)")
     from storage.traffic import remove_orphans
 
     with ws.catalog.connect():  # the lock every traffic writer takes: nothing is flushed or merged meanwhile
@@ -62,15 +64,12 @@ def forget(ws: Workspace, scope: str, subject: str) -> dict[str, Any]:
             "SELECT rollout_id FROM rollouts WHERE task = 'traffic' AND list_contains(?, prompt_id)", [scenarios]).to_pylist()]
         checkpoints = _trained_on(ws, scope, subject)
         counts, files = {}, 0
-        for name, kind, condition in [
-            ("traffic_rows", "traffic", pc.field(SCOPES[scope]) == subject),
-            ("feedback_rows", "feedback", pc.field("episode_id").isin(episodes)),
-            ("rollout_rows", "rollouts", pc.field("rollout_id").isin(rollouts)),
-            ("reward_rows", "rewards", pc.field("rollout_id").isin(rollouts)),
-            ("verdict_rows", "verdicts", pc.field("prompt_id").isin(scenarios)),
-            ("label_rows", "labels", pc.field("rollout_id").isin(rollouts)),
+        for name, kind, column, values in [
+            ("traffic_rows", "traffic", SCOPES[scope], [subject]), ("feedback_rows", "feedback", "episode_id", episodes),
+            ("rollout_rows", "rollouts", "rollout_id", rollouts), ("reward_rows", "rewards", "rollout_id", rollouts),
+            ("verdict_rows", "verdicts", "prompt_id", scenarios), ("label_rows", "labels", "rollout_id", rollouts),
         ]:
-            counts[name], touched = _drop(ws, kind, condition)
+            counts[name], touched = _drop(ws, kind, column, values)
             files += touched
         counts.pop("label_rows")
         _forget_traces(ws, scope, subject, episodes, scenarios)
@@ -84,20 +83,26 @@ def forget(ws: Workspace, scope: str, subject: str) -> dict[str, Any]:
     return {**row, "scenarios": scenarios, "checkpoints": checkpoints}
 
 
-def _drop(ws: Workspace, kind: str, condition: pc.Expression) -> tuple[int, int]:
-    """Rewrite every registered file of `kind` holding rows that match `condition` without them (deleting a file left
-    empty), then update the catalog in one transaction; returns (rows removed, files rewritten or deleted)."""
+def _drop(ws: Workspace, kind: str, column: str, values: list[str]) -> tuple[int, int]:
+    """Rewrite every registered file of `kind` holding rows whose `column` is one of `values` without them (deleting a
+    file left empty), then update the catalog in one transaction; returns (rows removed, files rewritten or deleted).
+    Which files hold such rows is asked of DuckDB first, which reads that one column (and skips row groups by their
+    statistics): only those files are read whole and rewritten."""
     paths = [r["path"] for r in ws.catalog.rows("SELECT path FROM files WHERE kind = ?", [kind])]
+    if not values or not paths:
+        return 0, 0
+    hit_paths = [p for (p,) in duckdb.execute(
+        f'SELECT DISTINCT filename FROM read_parquet(?, filename = true, union_by_name = true) '
+        f'WHERE list_contains(?, "{column}")', [paths, values]).fetchall()]
     changed: dict[str, FileInfo] = {}
     dropped: list[str] = []
     removed = 0
-    for path in paths:
+    wanted = pa.array(values, pa.string())
+    for path in hit_paths:
         table = ws.data.read([path])
-        hit = _matches(table, condition)
-        if not hit.any():
-            continue
-        removed += int(hit.sum())
-        kept = table.filter(pa.array(~hit))
+        hit = pc.fill_null(pc.is_in(table[column], value_set=wanted), False)
+        removed += pc.sum(hit).as_py() or 0
+        kept = table.filter(pc.invert(hit))
         if kept.num_rows:
             changed[path] = _rewrite(ws, path, kept)
         else:
@@ -108,22 +113,10 @@ def _drop(ws: Workspace, kind: str, condition: pc.Expression) -> tuple[int, int]
     return removed, len(changed) + len(dropped)
 
 
-def _matches(table: pa.Table, condition: pc.Expression) -> np.ndarray:
-    """A boolean per row: does it match `condition` (a null comparison is no match)."""
-    import pyarrow.dataset as ds
-
-    numbered = table.append_column("_row", pa.array(np.arange(table.num_rows)))
-    hit = np.zeros(table.num_rows, dtype=bool)
-    hit[ds.dataset(numbered).to_table(filter=condition, columns=["_row"])["_row"].to_numpy()] = True
-    return hit
-
-
 def _rewrite(ws: Workspace, path: str, table: pa.Table) -> FileInfo:
     """`table` written over the local file `path` (temp, fsync, rename: whole or not at all)."""
     import pyarrow.parquet as pq
 
-    if not ws.data.local:
-        raise ValueError(f"forgetting rewrites files in place; {path} is on object storage (not supported yet)")
     with atomic_file(path) as f:
         pq.write_table(table, f, compression="zstd")
     return FileInfo(path, table.num_rows, Path(path).stat().st_size)

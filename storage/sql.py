@@ -166,14 +166,15 @@ def refresh_views(views: Views, settings: Settings, tables: list[str]) -> None:
 
 
 def _load_table(con: duckdb.DuckDBPyConnection, settings: Settings, table: str) -> None:
-    """The catalog table `table` as its snapshot has it (empty before the catalog's first write)."""
+    """The catalog table `table` as its snapshot has it (empty before the catalog's first write), with every column the
+    catalog defines: one a snapshot written before the column was added (storage/catalog_ddl.py `ADDED_COLUMNS`)
+    reads as NULL until the table's next write, so the views over it can always be made."""
     snap = settings.snapshot_dir / f"{table}.parquet"
+    con.execute(f"CREATE OR REPLACE TABLE {table} ({DDL[table]})")
     if snap.exists():  # not DuckDB's read_parquet: it opens the file twice, and a run may replace it between
         con.register("_snapshot", read_snapshot(snap))
-        con.execute(f"CREATE OR REPLACE TABLE {table} AS SELECT * FROM _snapshot")
+        con.execute(f"CREATE OR REPLACE TABLE {table} AS SELECT * FROM {table} UNION ALL BY NAME SELECT * FROM _snapshot")
         con.unregister("_snapshot")
-    else:
-        con.execute(f"CREATE OR REPLACE TABLE {table} ({DDL[table]})")
 
 
 def _file_views(views: Views, data: DataStore) -> None:

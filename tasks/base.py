@@ -82,6 +82,9 @@ class Task:
     # Tools bound to one prompt (name -> fn(**arguments)), next to `tools` in its episodes: a visual task's zoom
     # crops that prompt's picture. A tool may return OpenAI content parts (text and image_url) instead of text.
     prompt_tools: Callable[[Prompt], dict[str, Callable[..., Any]]] | None = None
+    # The prompts arrive while it is deployed (tasks/traffic.py: served conversations): an empty split is a night with
+    # nothing to do (flows/nightly.py skips it), not a config error.
+    live: bool = False
 
     def episode_tools(self, prompt: Prompt) -> dict[str, Callable[..., Any]]:
         """The tools an episode of `prompt` may call: the task's and the prompt's own (`prompt_tools`)."""

@@ -62,7 +62,7 @@ def make_task(workspace: str | None = None, since: str | None = None, until: str
 
         spec = agent_spec(entry, url, version, data.encode(), max_error_frac, episode_timeout)
     return Task(name="traffic", system_prompt="", prompts=lambda split: list(splits.get(split, [])), max_turns=max_turns,
-                agent=spec, data_version=hashlib.sha256(data.encode()).hexdigest()[:16])
+                agent=spec, data_version=hashlib.sha256(data.encode()).hexdigest()[:16], live=True)
 
 
 def _instant(name: str, value: str | None, problems: list[str]) -> datetime | None:

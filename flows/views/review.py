@@ -199,12 +199,24 @@ class Review:
             ep = episodes(con, [rollout_id], self.batches, image_store(self.ws))[rollout_id]
             members = [r for (r,) in con.execute("SELECT rollout_id FROM rollouts WHERE batch_id = ? AND group_id = ? "
                                                  "ORDER BY sample_idx, rollout_id", [where.batch_id, where.group_id]).fetchall()]
+            served = self._served(con, ep.rollout.prompt_id) if ep.rollout.task == "traffic" else []
         r = ep.rollout
         return {"rollout_id": r.rollout_id, "batch_id": r.batch_id, "group_id": r.group_id, "sample_idx": r.sample_idx,
                 "step": ep.step, "split": r.split, "task": r.task, "prompt_id": r.prompt_id, "metadata": r.metadata,
                 "messages": [m.to_openai() for m in r.messages],
                 "scores": [{"reward": s.ref, "value": s.value, "error": s.error} for s in ep.scores],
-                "group": members, "html": episode_body(ep)}
+                "group": members, "served": served, "html": episode_body(ep) + _served_html(served)}
+
+    @staticmethod
+    def _served(con: duckdb.DuckDBPyConnection, scenario: str) -> list[dict[str, Any]]:
+        """The served calls a traffic scenario came from (docs/LOOP.md): what the server answered then, and the
+        feedback people gave on those episodes, newest first."""
+        return con.sql(
+            "SELECT t.served_at, t.policy_id, t.reply, list(struct_pack(key := f.key, score := f.score, label := f.label, "
+            "comment := f.comment, who := f.who) ORDER BY f.created_at) FILTER (WHERE f.feedback_id IS NOT NULL) AS feedback "
+            "FROM traffic t LEFT JOIN feedback f ON f.episode_id = t.episode_id "
+            "WHERE ? IN (t.scenario_id, t.input_id) GROUP BY ALL ORDER BY t.served_at DESC LIMIT 20",
+            params=[scenario]).to_arrow_table().to_pylist()
 
     def labels(self, reviewer: str) -> dict[str, Any]:
         """The reviewer's current labels on the run: grades by rollout id (value, note), orderings by group
@@ -248,3 +260,18 @@ class Review:
         sid = append_labels(self.ws, rows)
         return {"submission_id": sid, "kind": label.kind, "reviewer": rows[0].reviewer,
                 "rows": [{"rollout_id": r.rollout_id, "value": r.value, "rank": r.rank} for r in rows]}
+
+
+def _served_html(served: list[dict[str, Any]]) -> str:
+    """The served calls of a traffic scenario and their feedback, below the episode on the review page."""
+    if not served:
+        return ""
+    from flows.views.pages import esc
+
+    items = []
+    for c in served:
+        said = "; ".join(" ".join(esc(str(v)) for v in (f["key"], f["score"], f["label"], f["comment"], f["who"]) if v is not None)
+                         for f in c["feedback"] or []) or "no feedback"
+        items.append(f"<li><b>{esc(str(c['served_at'])[:19])}</b> {esc(c['policy_id'])}: <code>{esc(c['reply'])}</code> "
+                     f"&mdash; {said}</li>")
+    return f"<h3>Served for this scenario, and what people said</h3><ul>{''.join(items)}</ul>"

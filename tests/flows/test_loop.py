@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -71,7 +72,8 @@ def ask(url: str, users: range, offset: int) -> list[str]:
     answers = []
     for u in users:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                               default_headers={"X-User-Id": f"user-{u}", "X-Session-Id": f"s-{offset}-{u}"})
+                               default_headers={"X-User-Id": f"user-{u}", "X-Session-Id": f"s-{offset}-{u}",
+                                                "X-Episode-Id": f"ep-{offset}-{u}"})
         a = offset + u
         reply = client.chat.completions.create(model=f"{NAME}@champion", max_tokens=1, temperature=0, messages=[
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a + 7} - {a}?"}])
@@ -96,6 +98,9 @@ def loop(prefect_harness, eights_model_dir: Path, tmp_path_factory: pytest.TempP
         try:
             with ServerThread(build_app(service, log)) as url:
                 before = ask(url, range(16), 0)
+                said = httpx.post(f"{url}/rlops/episodes/ep-0-3/feedback", json={"score": 0, "comment": "it is 7",
+                                                                                "who": "user-3"})
+                assert said.status_code == 200, said.text
                 log.flush()
                 night1 = traffic_night_flow(cfg, str(ws.root))
                 after = ask(url, range(16), 100)  # the next requests: the new champion answers
@@ -139,3 +144,34 @@ def test_two_nights_promote_once_and_hold_back_once(loop):
     served, made = search(ws, {"rlops.kind": "served"}), search(ws, {"rlops.kind": "trained"})
     assert len(served) == 32 and len(made) == 2 * 4 * 4
     assert {t.info.tags["rlops.policy_id"] for t in served} == {base, n1["final_policy"]}
+
+
+def test_the_review_page_shows_what_was_served_and_what_people_said(loop):
+    from flows.views.review import Review
+
+    ws = loop.ws
+    scenario = ws.query("SELECT scenario_id FROM traffic WHERE episode_id = 'ep-0-3'").to_pylist()[0]["scenario_id"]
+    (rollout,) = ws.query("SELECT rollout_id FROM rollouts WHERE prompt_id = ? LIMIT 1", [scenario]).to_pylist()
+    shown = Review(ws, NAME).episode(rollout["rollout_id"])
+    (served,) = shown["served"]
+    assert served["reply"] == "8" and served["feedback"] == [
+        {"key": "feedback", "score": 0.0, "label": None, "comment": "it is 7", "who": "user-3"}]
+    assert "Served for this scenario" in shown["html"] and "it is 7" in shown["html"]
+
+
+def test_a_scheduled_run_of_a_traffic_config_is_a_night_and_an_empty_window_is_skipped(prefect_harness, tmp_path,
+                                                                                      tiny_model_dir):
+    import yaml
+
+    from flows.prefect_flows import scheduled_train_flow
+
+    config = tmp_path / "loop.yaml"
+    config.write_text(yaml.safe_dump(loop_config(tiny_model_dir, "http://127.0.0.1:9/v1")))  # no traffic: never asked
+    ws = Workspace.open(tmp_path / "ws")
+    first = scheduled_train_flow(str(config), str(ws.root))
+    second = scheduled_train_flow(str(config), str(ws.root))
+    assert (first["status"], first["calls"], first["scenarios_train"]) == ("skipped", 0, 0)
+    nights = ws.query("SELECT status, since, until FROM nights ORDER BY started_at").to_pylist()
+    assert [n["status"] for n in nights] == ["skipped", "skipped"] and second["night_id"] != first["night_id"]
+    assert nights[1]["since"] is None  # a skipped night's traffic is still the next one's: no complete night yet
+    assert ws.catalog.checkpoints() == []  # nothing trained
