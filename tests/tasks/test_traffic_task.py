@@ -88,3 +88,22 @@ def test_with_an_agent_a_scenario_is_an_episode_s_first_question(ws: Workspace) 
     assert task.agent is not None and task.agent.form == "client"
     assert len(prompts) == 61 and all(p.messages is None and p.prompt_id.startswith("in-") for p in prompts)
     assert {p.question for p in prompts} >= {"Question 0.0", "What is the capital of France?"}
+
+
+@pytest.mark.slow
+def test_an_agent_runs_again_on_each_scenario_through_the_policy_service(ws: Workspace, tiny_model_dir) -> None:
+    from stages import rollout
+    from stages.common import StageContext, base_policy
+    from storage.schema import Rollout, from_table
+
+    spec = rollout.TaskSpec(name="traffic", params={"workspace": str(ws.root), "test_fraction": 0.0,
+                                                    "entry": "tests.stages.service.agents_for_tests:flaky",
+                                                    "where": "session_id IN ('s0', 's1')"})
+    config = rollout.RolloutConfig(prompts_per_step=6, group_size=2, max_new_tokens=4, max_total_tokens=256)
+    ref = rollout.run(config, StageContext(ws), base_policy(ws, str(tiny_model_dir)), spec)
+    rows = from_table(ws.read_artifact(ref.id), Rollout)
+    asked = {r["input_id"]: r["q"] for r in ws.query(
+        "SELECT input_id, messages[2].content AS q FROM traffic WHERE session_id IN ('s0', 's1')").to_pylist()}
+    assert len(rows) == 12 and {r.prompt_id for r in rows} == set(asked)  # every scenario, a group of two each
+    for r in rows:  # the agent got the served question, and its one call was recorded token for token
+        assert r.task == "traffic" and r.messages[0].content == asked[r.prompt_id] and sum(r.loss_mask) > 0
