@@ -141,18 +141,19 @@ def main() -> None:
     judge_port, serve_port = free_port(), free_port()
     judge_url, url = f"http://127.0.0.1:{judge_port}", f"http://127.0.0.1:{serve_port}"
     judge_model = expand_cache(args.judge)
+    weights = judge_model  # what the judge serves enters the reward's and the gate's versions (hashed once a process)
     cfg = {
         "name": NAME, "base_model": "SmolLM2-135M-Instruct", "steps": args.steps,
         "task": {"name": "traffic", "params": {"test_fraction": 0.25}},
         "rollout": {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 32, "max_total_tokens": 160},
         "score": {"rewards": [{"name": "ruler", "fn": "rewards.ruler.ruler_reward", "params": {
-            "base_url": judge_url + "/v1", "model": "base", "mode": args.mode, "weights": judge_model, "timeout": 900}}],
+            "base_url": judge_url + "/v1", "model": "base", "mode": args.mode, "weights": weights, "timeout": 900}}],
             "total": None, "workers": 4},
         "train_reward": "ruler",
         "grpo": {"lr": 1e-4, "micro_batch_size": 8, "step_without_signal": True, "activation_checkpointing": False,
                  "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}},
         "eval": {"n_prompts": 16, "every": args.steps},
-        "promote": {"judge": {"base_url": judge_url + "/v1", "model": "base", "weights": judge_model, "timeout": 900}},
+        "promote": {"judge": {"base_url": judge_url + "/v1", "model": "base", "weights": weights, "timeout": 900}},
     }
     config = ws / "loop.yaml"
     config.write_text(yaml.safe_dump(cfg))

@@ -109,6 +109,7 @@ class TrafficLog:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self._written = False  # a part was written since the last merge
         self.flushes = 0
         remove_orphans(ws)
         self._thread = threading.Thread(target=self._loop, name="traffic-flusher", daemon=True)
@@ -139,18 +140,21 @@ class TrafficLog:
         with self._lock:
             rows, self._rows = self._rows, []
             episodes, self._episodes = self._episodes, set()
-        if not rows:
-            return None
-        try:
-            part = _publish(self.ws, "traffic", pa.Table.from_pylist(rows, schema=TABLES["traffic"]),
-                            {"server_id": self.server_id, "gen": 0})
-        except BaseException:
-            with self._lock:  # back in front, in order: the next flush tries again
-                self._rows, self._episodes = rows + self._rows, episodes | self._episodes
-            raise
-        self.flushes += 1
-        for kind in KINDS:
-            compact(self.ws, kind, self.settings)
+        part = None
+        if rows:
+            try:
+                part = _publish(self.ws, "traffic", pa.Table.from_pylist(rows, schema=TABLES["traffic"]),
+                                {"server_id": self.server_id, "gen": 0})
+            except BaseException:
+                with self._lock:  # back in front, in order: the next flush tries again
+                    self._rows, self._episodes = rows + self._rows, episodes | self._episodes
+                raise
+            self.flushes += 1
+            self._written = True
+        if self._written:  # parts were added since the last merge (calls, or feedback written at once)
+            self._written = False
+            for kind in KINDS:
+                compact(self.ws, kind, self.settings)
         return part
 
     def close(self) -> None:
@@ -178,7 +182,8 @@ class TrafficLog:
         if call_id is not None and not self._call_of(episode_id, call_id):
             raise KeyError(f"episode {episode_id!r} has no recorded call {call_id!r}")
         _publish(self.ws, "feedback", pa.Table.from_pylist([{**row, "server_id": self.server_id}], schema=TABLES["feedback"]),
-                 {"episode_id": episode_id})
+                 {"server_id": self.server_id, "gen": 0, "episode_id": episode_id})
+        self._written = True  # merged with the others at the next flush
         return row["feedback_id"]
 
     def _call_of(self, episode_id: str, call_id: str) -> bool:
@@ -229,7 +234,8 @@ def compact(ws: Workspace, kind: str, settings: TrafficSettings) -> int:
                 "JOIN files f USING (artifact_id) WHERE a.kind = ? AND a.status = 'complete' ORDER BY a.completed_at", [kind])
             by_gen: dict[int, list[dict[str, Any]]] = {}
             for p in parts:
-                by_gen.setdefault(p["gen"] or 0, []).append(p)
+                p["gen"] = p["gen"] or 0  # a part written without one (feedback before it had one) is a first one
+                by_gen.setdefault(p["gen"], []).append(p)
             batch = next((ps[: settings.fan_in] for g, ps in sorted(by_gen.items()) if len(ps) >= settings.fan_in
                           and sum(p["bytes"] for p in ps[: settings.fan_in]) <= settings.max_part_bytes), None)
             if batch is None:

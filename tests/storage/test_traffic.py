@@ -85,7 +85,7 @@ def test_small_parts_are_merged_by_generation_keeping_every_row(ws: Workspace) -
 
 
 def test_feedback_is_checked_before_anything_is_written(ws: Workspace) -> None:
-    log = TrafficLog(ws, TrafficSettings(flush_calls=100, flush_seconds=3600))
+    log = TrafficLog(ws, TrafficSettings(flush_calls=100, flush_seconds=3600, fan_in=2))  # feedback parts merged too
     try:
         log.add(call(0, episode="ep-known"))  # buffered only: feedback may already name it
         fid = log.feedback("ep-known", score=1.0, label="good", comment="right", who="alice", key="correctness")
@@ -102,6 +102,7 @@ def test_feedback_is_checked_before_anything_is_written(ws: Workspace) -> None:
             log.feedback("ep-known", score=1.0, call_id="chatcmpl-9")
     finally:
         log.close()
+    assert len(files(ws, "feedback")) == 1  # two parts, merged by the next flush
     got = ws.query("SELECT feedback_id, key, score, label, who, call_id FROM feedback ORDER BY created_at").to_pylist()
     assert [(r["key"], r["score"], r["label"], r["who"], r["call_id"]) for r in got] == [
         ("correctness", 1.0, "good", "alice", None), ("feedback", 0.25, None, None, "chatcmpl-0")]
