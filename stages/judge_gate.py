@@ -1,5 +1,6 @@
 """The label-free promotion gate's comparison: champion and challenger answer the same held-out scenarios
-greedily, and a pairwise judge says, scenario by scenario, whose answer is better.
+greedily, and a judge says, scenario by scenario, whose answer is better: the two side by side (pairwise, both
+orders), or each alone (yes_no).
 
     answers = [answer(ctx, policy_id=p, task=cfg.task, rollout_config=cfg.rollout, eval_config=cfg.eval)
                for p in (champion, challenger)]
@@ -52,6 +53,11 @@ class GateJudge(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str  # the served model name (openai) or a local folder / hub id (transformers)
+    # pairwise: the two answers side by side, in both orders; yes_no: each answer alone ("does it achieve its goal?"),
+    # read from the same first-token log-probs. A small judge that prefers whatever it is shown first decides nothing
+    # pairwise (docs/BENCHMARKS.md, "The deployment loop": Qwen2.5-Coder-1.5B gave the first shown ~0.64 whatever it
+    # was); judged alone, an answer has no position.
+    mode: Literal["pairwise", "yes_no"] = "pairwise"
     backend: Literal["openai", "transformers"] = "openai"  # openai: any OpenAI-compatible server giving log-probs
     base_url: str | None = None  # the openai backend's endpoint, e.g. http://localhost:8000/v1
     api_key_env: str | None = None  # the env var holding the API key (never the key itself)
@@ -72,7 +78,7 @@ def judge_version(judge: GateJudge) -> str:
     """The judge's version: the one home of what makes two verdicts comparable, in each verdicts row and the
     artifact's id. What enters it is what changes a verdict, hashed as rewards are (rewards/base.py):
 
-    - the RULER reward's version (`rewards.base.reward_version`) in pairwise mode with these settings: `model`,
+    - the RULER reward's version (`rewards.base.reward_version`) in the gate's mode with these settings: `model`,
       `backend`, `base_url`, `rubric`, the content of `weights` (and of `model` when it is a local folder), and the
       code that asks and reads, reached from `rewards.ruler.ruler_reward` (the pairwise prompt and its default
       rubric, `judge_group`, the reading of the first-token log-probs, the client) with its libraries' versions;
@@ -81,7 +87,7 @@ def judge_version(judge: GateJudge) -> str:
 
     The API key's variable, the timeout and the concurrency change no verdict and stay out."""
     params = {"model": judge.model, "backend": judge.backend, "base_url": judge.base_url, "rubric": judge.rubric,
-              "weights": judge.weights, "mode": "pairwise"}
+              "weights": judge.weights, "mode": judge.mode}
     asks = reward_version(RewardSpec(name="judge_gate", fn="rewards.ruler.ruler_reward", params=params))
     return short_hash({"judge": asks, "verdict": reach(_verdict).fingerprint()})
 
@@ -129,7 +135,7 @@ def run(config: JudgeGateConfig, ctx: StageContext, champion_batch: str, challen
 
     def body(comparison_id: str, mlflow_run_id: str) -> dict[str, float]:
         pairs = _pairs(ctx.ws, champion_batch, challenger_batch)
-        verdict = functools.partial(_verdict, _asker(config.judge, ctx.ws, version),
+        verdict = functools.partial(_verdict, _asker(config.judge, ctx.ws, version), config.judge.mode,
                                     fixed={"comparison_id": comparison_id, "judge_model": config.judge.model,
                                            "judge_version": version, "schema_version": SCHEMA_VERSION})
         with ThreadPoolExecutor(max_workers=config.judge.concurrency) as pool:  # the client caps requests in flight
@@ -184,7 +190,7 @@ def _asker(judge: GateJudge, ws: Workspace, version: str) -> Ask:
     def ask(pair: list[list[dict[str, Any]]]) -> list[tuple[float, dict[str, Any]]]:
         try:
             client = make_client(judge.client_config())  # one shared client per config: built once
-            return judge_group(pair, "pairwise", client, rubric=judge.rubric,
+            return judge_group(pair, judge.mode, client, rubric=judge.rubric,
                                cache_dir=ws.judge_cache_dir / "gate" / version, concurrency=2)
         except Exception as e:  # noqa: BLE001 - recorded in the prompt's row, as a reward's failure is
             text = str(e) if isinstance(e, JudgeError) else describe_error(e)
@@ -193,17 +199,23 @@ def _asker(judge: GateJudge, ws: Workspace, version: str) -> Ask:
     return ask
 
 
-def _verdict(ask: Ask, champion: Rollout, challenger: Rollout, fixed: dict[str, Any]) -> dict[str, Any]:
-    """One `verdicts` row: the judge asked in both orders, or a tie for identical answers, or the judge's failure."""
+def _verdict(ask: Ask, mode: str, champion: Rollout, challenger: Rollout, fixed: dict[str, Any]) -> dict[str, Any]:
+    """One `verdicts` row: the judge asked in both orders (pairwise) or of each answer alone (yes_no), or a tie for
+    identical answers, or the judge's failure. Judged alone, the challenger's win is 0.5 + (P(its answer achieves the
+    goal) - P(the champion's does)) / 2: the chance the judge says yes to it and no to the champion's, with half of
+    its agreeing verdicts, were the two verdicts drawn independently."""
     a, b = ([m.to_openai() for m in r.messages] for r in (champion, challenger))
     row = {**fixed, "prompt_id": champion.prompt_id, "champion": champion.policy_id, "challenger": challenger.policy_id,
            "champion_rollout": champion.rollout_id, "challenger_rollout": challenger.rollout_id,
-           "p_challenger_first": None, "p_challenger_second": None, "win": None, "error": None, "created_at": now()}
+           "p_challenger_first": None, "p_challenger_second": None, "p_champion": None, "p_challenger": None,
+           "win": None, "error": None, "created_at": now()}
     if a == b:
         return row | {"win": TIE}
     try:
-        _, details = ask([a, b])[1]  # the challenger's side of the pair
+        (p_champion, _), (p_challenger, details) = ask([a, b])  # per trajectory: (score, details)
     except JudgeError as e:  # failures are data: this prompt's row says why, the others go on
         return row | {"error": str(e)}
+    if mode == "yes_no":
+        return row | {"p_champion": p_champion, "p_challenger": p_challenger, "win": 0.5 + (p_challenger - p_champion) / 2}
     first, second = details["order_probs"][0]  # P(challenger better) shown first, shown second
     return row | {"p_challenger_first": first, "p_challenger_second": second, "win": (first + second) / 2}

@@ -101,9 +101,10 @@ def _judge_problems(config: PromoteConfig) -> list[str]:
 def rule(config: PromoteConfig) -> str:
     """The decision rule in words, as each promotions row records it."""
     if config.judge is not None:
+        how = "judged pairwise in both orders" if config.judge.mode == "pairwise" else "each judged alone, yes or no"
         return (f"promote when the lower bound of the {config.level:.0%} bootstrap interval of the challenger's win "
-                f"rate against the champion (greedy answers to the held-out prompts, judged pairwise in both orders by "
-                f"{config.judge.model}) is above {config.min_win_rate:g}")
+                f"rate against the champion (greedy answers to the held-out prompts, {how} by {config.judge.model}) "
+                f"is above {config.min_win_rate:g}")
     return (f"promote when the lower bound of the {config.level:.0%} paired bootstrap interval of "
             f"{config.metric}(challenger) - {config.metric}(champion) is above {config.min_gain:g}")
 

@@ -87,7 +87,11 @@ def verdicts(ts: pa.DataType) -> pa.Schema:
         ("challenger_rollout", pa.string()),
         ("p_challenger_first", pa.float64()),  # P(challenger better) with the challenger shown first
         ("p_challenger_second", pa.float64()),  # ... shown second
-        ("win", pa.float64()),  # their mean: the challenger's win probability, position bias cancelled
+        # The gate's yes_no mode judges each answer alone: P(it achieves its goal), the champion's and the challenger's.
+        ("p_champion", pa.float64()),
+        ("p_challenger", pa.float64()),
+        ("win", pa.float64()),  # the challenger's win probability: pairwise, the two orders' mean (position bias
+        # cancelled); yes_no, 0.5 + (p_challenger - p_champion) / 2; identical answers 0.5, the judge not asked
         ("error", pa.string()),  # why the judge gave no verdict (then the p columns are null)
         ("judge_model", pa.string()),
         ("judge_version", pa.string()),

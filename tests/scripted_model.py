@@ -73,23 +73,7 @@ def train_scripted(model_dir: Path, out: Path, steps: int = 150, lr: float = 1e-
                    messages: list[dict[str, Any]] | None = None) -> Path:
     """Train a copy of the tiny model at `model_dir` on the scripted conversation (or on `messages`, another
     conversation in the same shape); save it to `out`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    messages = messages or script_messages()
-    ids, labels = conversation_tokens(tok, messages)
-    torch.manual_seed(0)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in range(steps):
-        loss = labelled_loss(model, ids, labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
+    return train_mixed(model_dir, out, [(messages or script_messages(), 1.0)], steps=steps, lr=lr)
 
 
 def train_mixed(model_dir: Path, out: Path, conversations: list[tuple[list[dict[str, Any]], float]], steps: int,

@@ -21,6 +21,7 @@ from typing import Any
 from stages.policy.sampling import Sample, SamplingConfig
 from storage.schema import Message
 from storage.traffic import content_key, input_key
+from tasks.base import OPEN_TAG
 
 SESSION_HEADER, USER_HEADER, TAGS_HEADER = "X-Session-Id", "X-User-Id", "X-Rlops-Tags"
 
@@ -91,7 +92,8 @@ def traffic_row(call: ServedCall, registry: tuple[str, str, str] | None = None) 
         "registry_model": registry[0] if registry else None, "registry_alias": registry[1] if registry else None,
         "registry_version": registry[2] if registry else None, "messages": messages,
         "tools": json.dumps(call.tools) if call.tools else None, "reply": s.text,
-        "reply_tool_calls": s.text.count("<tool_call>"), "finish_reason": call.finish_reason, "n": call.n,
+        "reply_tool_calls": s.text.count(OPEN_TAG) if call.tools else 0,  # parsed as calls only when tools were offered
+        "finish_reason": call.finish_reason, "n": call.n,
         "prompt_token_ids": call.prompt_ids, "token_ids": s.token_ids, "logprobs": s.logprobs,
         "prompt_tokens": len(call.prompt_ids), "completion_tokens": len(s.token_ids),
         "sampling": json.dumps({"temperature": call.sampling.temperature, "top_p": call.sampling.top_p,

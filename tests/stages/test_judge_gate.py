@@ -132,3 +132,27 @@ def test_a_rerun_finds_the_verdicts_and_only_the_judges_version_makes_new_ones(w
     assert other.id != first.id and not other.cached and len(judge_server.requests) == 8
     assert "- Shorter is better." in judge_server.requests[-1]["body"]["messages"][0]["content"]
     assert ws.query("SELECT count(DISTINCT judge_version) AS n FROM verdicts").to_pylist() == [{"n": 2}]
+
+
+def test_judged_alone_each_answer_has_no_position(ws, judge_server):  # noqa: F811
+    champion = answers(ws, "ro-a", "ck-a", [WRONG, WRONG, RIGHT, RIGHT])
+    challenger = answers(ws, "ro-b", "ck-b", [RIGHT, WRONG + "0", RIGHT + ".", WRONG])
+
+    def respond(body, headers):  # P(true) 0.9 for a right answer, 0.2 for a wrong one; each request shows one answer
+        (final,) = shown(body)
+        return top_reply({"true": 0.9 if final.startswith(RIGHT) else 0.2, "false": 0.1 if final.startswith(RIGHT) else 0.8})
+
+    judge_server.respond = respond
+    config = gate_config(judge_server.url, mode="yes_no")
+    ref = run(config, StageContext(ws), champion, challenger)
+    assert len(judge_server.requests) == 8 and all(len(shown(r["body"])) == 1 for r in judge_server.requests)
+    rows = ws.query("SELECT prompt_id, p_champion, p_challenger, win, p_challenger_first FROM verdicts "
+                    "ORDER BY prompt_id").to_pylist()
+    assert [(r["prompt_id"], r["p_champion"], r["p_challenger"], r["win"]) for r in rows] == [
+        ("q0", pytest.approx(0.2), pytest.approx(0.9), pytest.approx(0.85)),  # 0.5 + (0.9 - 0.2) / 2
+        ("q1", pytest.approx(0.2), pytest.approx(0.2), pytest.approx(0.5)),  # both wrong: no preference
+        ("q2", pytest.approx(0.9), pytest.approx(0.9), pytest.approx(0.5)),
+        ("q3", pytest.approx(0.9), pytest.approx(0.2), pytest.approx(0.15))]
+    assert all(r["p_challenger_first"] is None for r in rows)
+    assert judge_version(config.judge) != judge_version(gate_config(judge_server.url).judge)  # the mode is versioned
+    assert outcome(ws, ref.id).win_rate == pytest.approx(0.5)
