@@ -37,6 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from storage.workspace import Workspace
 
     fraction = record_fraction(args.record)
+    keeping = traffic_settings(args) if fraction > 0 else None  # a bad flag fails before the model loads
     args.base_model = expand_cache(args.base_model)  # `$RLOPS_CACHE/models/...`: a model a make target built there
     ws = Workspace.open(args.workspace)
     if fraction > 0 or args.fallback:
@@ -55,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServiceConfig(batch_window_s=args.batch_window, image_root=Path(args.image_root) if args.image_root else None)
     if args.max_images is not None:
         config = replace(config, max_images=args.max_images)
-    traffic = TrafficLog(ws, traffic_settings(args)) if fraction > 0 else None
+    traffic = TrafficLog(ws, keeping) if keeping is not None else None
     sink = recording_sink(traffic, registry, fraction, base_policy(ws, base_model)) if traffic is not None else None
     service = PolicyService(policy, resolve, config, names, sink=sink)
     policy_id, adapter_dir = resolve(args.policy)
