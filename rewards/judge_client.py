@@ -127,7 +127,7 @@ class OpenAIClient:
                 if resp.status_code == 200:
                     return self._parse(resp, bound, top="logprobs" in fixed)
                 text = resp.text[:300]
-                if resp.status_code == 400 and bound and "response_format" in text:
+                if resp.status_code == 400 and bound and ("response_format" in text or "schema" in text.lower()):
                     log.info("judge server refuses JSON schemas; asking without them (replies are validated)")
                     self._schemas = False
                     continue

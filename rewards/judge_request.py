@@ -69,14 +69,15 @@ def judge_messages(prefix: list[dict[str, Any]], bodies: Sequence[list[dict[str,
 
 def verdict_format(n: int, explanation_chars: int = EXPLANATION_CHARS) -> dict[str, Any]:
     """The `response_format` that binds a reply to this group's verdicts: exactly the ids "1".."n" in order, each
-    a score in [0, 1] (on SCORE_GRID) and an optional bounded explanation (OpenAI's, vLLM's and `rlops serve`'s
-    json_schema)."""
+    a score in [0, 1] (on SCORE_GRID) and an optional bounded explanation (OpenAI's, vLLM's, llama.cpp's and `rlops
+    serve`'s json_schema). `maxItems` alone bars entries past the n: `"items": false` would say it again, and llama.cpp
+    refuses a schema that is not an object."""
     entry = lambda i: {  # noqa: E731
         "type": "object", "additionalProperties": False, "required": ["id", "score"],
         "properties": {"id": {"const": str(i)}, "explanation": {"type": "string", "maxLength": explanation_chars},
                        "score": {"enum": SCORE_GRID}}}
     schema = {"type": "object", "additionalProperties": False, "required": ["scores"],
-              "properties": {"scores": {"type": "array", "minItems": n, "maxItems": n, "items": False,
+              "properties": {"scores": {"type": "array", "minItems": n, "maxItems": n,
                                         "prefixItems": [entry(i) for i in range(1, n + 1)]}}}
     return {"type": "json_schema", "json_schema": {"name": "verdicts", "strict": True, "schema": schema}}
 
