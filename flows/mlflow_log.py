@@ -4,8 +4,9 @@
     log_models(ws, parent_run_id, run_name, [final_policy])   # the adapter(s) as MLflow logged models
 
 Each child run (one per stage execution) holds its own single point; the curves live on the
-pipeline's parent run, one point per update step (GRPO, DPO or PPO) (`train/...`) and per evaluated checkpoint
-(`heldout/...`), keyed by the checkpoint's step. The values come from the catalog (the checkpoint's
+pipeline's parent run, one point per update step (GRPO, DPO or PPO) (`train/...`, and the judge's drift against the
+programmatic rewards, `judge/...`, rewards/drift.py) and per evaluated checkpoint (`heldout/...`), keyed by the
+checkpoint's step. The values come from the catalog (the checkpoint's
 artifact metrics), not from the row, so the curves always mean what the checkpoint recorded. Points
 are stamped with the checkpoint's creation time: a resumed run that replays cached steps logs
 identical points, which MLflow keeps once.
@@ -61,13 +62,28 @@ def log_step(ws: Workspace, parent_run_id: str, row: dict[str, Any], warm_starte
     if "policy" in row:
         ckpt = ws.catalog.get_checkpoint(row["policy"])
         metrics = ws.catalog.get_artifact(row["policy"])["meta"]["metrics"]
-        ws.tracker.log_metrics(parent_run_id, {name: metrics[k] for k, name in TRAIN_CURVES.items() if k in metrics},
-                               step=ckpt["step"], timestamp_ms=_ms(ckpt))
+        curves = {name: metrics[k] for k, name in TRAIN_CURVES.items() if k in metrics}
+        if row.get("reward_set"):  # the step's judge drift (rewards/drift.py), where its scoring had a judge to watch
+            curves.update(drift_curves(ws.catalog.get_artifact(row["reward_set"])["meta"].get("drift") or []))
+        ws.tracker.log_metrics(parent_run_id, curves, step=ckpt["step"], timestamp_ms=_ms(ckpt))
     elif "eval" in row:
         ckpt = ws.catalog.get_checkpoint(row["eval"])
         prefix = HELDOUT_BASE if ckpt["kind"] == "base" and warm_started else HELDOUT
         ws.tracker.log_metrics(parent_run_id, {prefix + k: v for k, v in row.items() if k != "eval"},
                                step=ckpt["step"], timestamp_ms=_ms(ckpt))
+
+
+def drift_curves(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """A reward set's drift rows (stages/score.py) as curves: `judge/{judge}.agreement.{truth}`, `.tied_pairs.`, and
+    `judge/{judge}.degenerate_groups`; undefined measures (no pair to judge) are left out."""
+    curves = {}
+    for r in rows:
+        for k in ("agreement", "tied_pairs"):
+            if r.get(k) is not None:
+                curves[f"judge/{r['judge']}.{k}.{r['truth']}"] = r[k]
+        if r.get("degenerate_groups") is not None:
+            curves[f"judge/{r['judge']}.degenerate_groups"] = r["degenerate_groups"]
+    return curves
 
 
 def lineage(ws: Workspace, policy_id: str) -> list[dict[str, Any]]:

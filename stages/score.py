@@ -9,6 +9,12 @@ deterministic id, so:
 The stage's own artifact (kind `reward_set`, prefix `rs-`) is the manifest tying them together:
 its meta maps each reward name to its version and parts, and it is what `rlops stage score` prints.
 
+Judge drift, watched (rewards/drift.py): every call measures each group reward (a judge) against each per-rollout
+reward that is not partial (a programmatic check) on every batch it scores, from the stored rows: the agreement of
+their orders within groups, the share of tied pairs, the share of groups the judge left unordered. The reward set
+keeps them in its meta (`drift`: the `judge_drift` view) and its metrics (`{judge}.agreement.{truth}`, ...), and a
+training step logs them as `judge/...` curves (flows/mlflow_log.py). A metric only: nothing trains on it.
+
 Failures are data: a reward that raises or returns a bad value gives a null `value` with the reason
 in `error`. If a reward's error fraction exceeds `max_error_fraction` the stage fails with a
 summary before writing that reward's rows (nothing partial is ever visible).
@@ -17,6 +23,7 @@ summary before writing that reward's rows (nothing partial is ever visible).
 from __future__ import annotations
 
 import gc
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rewards.base import (Outcome, RewardSpec, compute, fill_params, info, load_reward, reward_version, takes, total_version,
                           weighted_total)
+from rewards.drift import drift_counts, measures
 from stages.cluster import connect, reserve
 from stages.common import CODE_VERSION, ArtifactRef, Operational, StageContext, run_stage
 from storage.ids import artifact_id, config_hash
@@ -96,21 +104,41 @@ def run(config: ScoreConfig, ctx: StageContext, batches: list[str]) -> ArtifactR
     specs, vers = config.rewards, versions(config)
     stage_config = {"rewards": vers, "total": config.total}
 
+    meta: dict[str, Any] = {"rewards": vers, "parts": {b: {n: part_id(b, n, v) for n, v in vers.items()} for b in batches}}
+
     def body(set_id: str, mlflow_run_id: str) -> dict[str, float]:
         placements: list[str] = []
-        metrics = _score_batches(config, ctx, specs, vers, batches, placements)
+        watched: dict[tuple[str, str], dict[str, int]] = {}
+        metrics = _score_batches(config, ctx, specs, vers, batches, placements, watched)
         if placements:  # where the Ray tasks ran (stages.cluster.placement)
             ctx.ws.tracker.set_tags(mlflow_run_id, {"rlops.ray_workers": ",".join(sorted(set(placements)))})
+        # run_stage records `meta` after the body: the drift rows go with the metrics (the `judge_drift` view)
+        meta["drift"] = _drift_rows(watched)
+        for row in meta["drift"]:
+            metrics.update({f"{row['judge']}.{k}.{row['truth']}": row[k] for k in ("agreement", "tied_pairs", "pairs")
+                            if row[k] is not None})
+            if row["degenerate_groups"] is not None:
+                metrics[f"{row['judge']}.degenerate_groups"] = row["degenerate_groups"]
         return metrics
 
-    return run_stage(ctx, "reward_set", "reward_set", list(batches), stage_config, body,
-                     meta={"rewards": vers, "parts": {b: {n: part_id(b, n, v) for n, v in vers.items()} for b in batches}})
+    return run_stage(ctx, "reward_set", "reward_set", list(batches), stage_config, body, meta=meta)
+
+
+def _drift_rows(watched: dict[tuple[str, str], dict[str, int]]) -> list[dict[str, Any]]:
+    """One row per (judge, programmatic reward): rewards/drift.py's measures, None for an undefined one."""
+    rows = []
+    for (judge, truth), counts in sorted(watched.items()):
+        got = measures(counts)
+        rows.append({"judge": judge, "truth": truth, **{k: None if math.isnan(v) else v for k, v in got.items()}})
+    return rows
 
 
 def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpec], vers: dict[str, str],
-                   batches: list[str], placements: list[str]) -> dict[str, float]:
+                   batches: list[str], placements: list[str],
+                   watched: dict[tuple[str, str], dict[str, int]] | None = None) -> dict[str, float]:
     """Score what is missing of every batch; batches are computed in Ray workers when `workers > 1`
-    and every missing reward is per-rollout (judges keep their requests in driver threads)."""
+    and every missing reward is per-rollout (judges keep their requests in driver threads). `watched` gathers, per
+    (judge, programmatic reward), the drift counts (rewards/drift.py) of every batch."""
     ws = ctx.ws
     present = ws.catalog.complete_rows(batches)
     absent = [b for b in batches if b not in present]
@@ -136,12 +164,35 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
             components = [computed.get(s.name) or _stored(ws, batch_id, s.name, vers[s.name], ids) for s in specs]
             parts[config.total] = weighted_total(specs, components)
         _write(ctx, batch_id, vers, ids, parts, stats)
+    if watched is not None:
+        for batch_id in batches:
+            _watch(ws, batch_id, specs, vers, watched)
     metrics: dict[str, float] = {}
     for name, (n, total, squares, errors) in stats.items():
         mean = total / n if n else float("nan")
         metrics.update({f"{name}.mean": mean, f"{name}.std": max(squares / n - mean * mean, 0.0) ** 0.5 if n else float("nan"),
                         f"{name}.errors": errors})
     return metrics
+
+
+def _watch(ws: Workspace, batch_id: str, specs: list[RewardSpec], vers: dict[str, str],
+           watched: dict[tuple[str, str], dict[str, int]]) -> None:
+    """Add one batch's drift counts to `watched`: every group reward (a judge) against every per-rollout reward that
+    is not partial (a programmatic check), from the batch's stored rows (computed now or before)."""
+    kinds = {s.name: info(load_reward(s)) for s in specs}
+    judges = [s.name for s in specs if kinds[s.name].kind == "group"]
+    truths = [s.name for s in specs if kinds[s.name].kind == "rollout" and not kinds[s.name].partial]
+    if not judges or not truths:
+        return
+    table = ws.read_artifact(batch_id, columns=["rollout_id", "group_id"])
+    ids, groups = table["rollout_id"].to_pylist(), table["group_id"].to_pylist()
+    values = {name: [o.value for o in _stored(ws, batch_id, name, vers[name], ids)] for name in judges + truths}
+    for judge in judges:
+        for truth in truths:
+            counts = drift_counts(values[judge], values[truth], groups)
+            total = watched.setdefault((judge, truth), dict.fromkeys(counts, 0))
+            for k, v in counts.items():
+                total[k] += v
 
 
 class _Todo(NamedTuple):

@@ -9,7 +9,8 @@
   - the views over people's labels (`labels`, `label_values`, `label_pairs`, the agreement views:
     storage/label_views.py), built on the registered label files as the other tables are, and
   - the deployment loop's `traffic`, `feedback` and `verdicts` (storage/loop_schema.py) with the view joining them to
-    what was trained on them (`traffic_lineage`: storage/loop_views.py).
+    what was trained on them (`traffic_lineage`: storage/loop_views.py), and
+  - `judge_drift`: each scoring's judge agreement with the programmatic rewards (storage/drift_views.py).
 
 `Sandbox` is the same, locked down for `rlops sql`: only SELECT/EXPLAIN statements, no file
 access outside the data root, no extension loading, locked configuration, a memory limit and
@@ -32,6 +33,7 @@ import duckdb
 import pyarrow as pa
 
 from storage.catalog import DDL, read_snapshot
+from storage.drift_views import VIEWS as DRIFT_VIEWS
 from storage.images import IMAGES
 from storage.label_views import VIEWS as LABEL_VIEWS
 from storage.loop_views import VIEWS as LOOP_VIEWS
@@ -147,7 +149,7 @@ def open_views(settings: Settings, config: dict[str, str] | None = None) -> View
         con.execute(f"CREATE TABLE _{kind} AS SELECT * FROM _empty_{kind}")
         con.unregister(f"_empty_{kind}")
     _file_views(views, DataStore(settings.data_root))
-    for name, sql in (LABEL_VIEWS | LOOP_VIEWS).items():
+    for name, sql in (LABEL_VIEWS | LOOP_VIEWS | DRIFT_VIEWS).items():
         con.execute(f"CREATE VIEW {name} AS {sql}")
     views.images = _images_view(con, settings.images_dir)
     return views

@@ -31,14 +31,17 @@ RETRAINED = "retrained.json"  # beside the workspace: what `rlops retrain` print
 XSS = "<script>alert(1)</script>"
 MARKUP = "[bold red]not markup[/bold red]"
 JUDGE = '''
-from rewards.base import reward
+from rewards.base import group_reward
 
 
-@reward(low=0.0, high=1.0)
-def judged(rollout):
-    """A stand-in for a judge: a value and an explanation that quotes model output."""
-    text = rollout.messages[-1].content or ""
-    return float(len(text) % 2), {"explanation": f"the answer <b>{text[:12]}</b> has {len(text)} characters"}
+@group_reward(low=0.0, high=1.0)
+def judged(group):
+    """A stand-in for a judge (a group reward, as RULER is): a value and an explanation that quotes model output."""
+    out = []
+    for rollout in group:
+        text = rollout.messages[-1].content or ""
+        out.append((float(len(text) % 2), {"explanation": f"the answer <b>{text[:12]}</b> has {len(text)} characters"}))
+    return out
 '''
 
 

@@ -72,6 +72,25 @@ def test_mlflow_curves_tags_and_models(run_ws: Workspace) -> None:
     tags = client.get_run(branch["mlflow_run_id"]).data.tags
     assert client.get_logged_model(tags["rlops.final_model_id"]).tags["rlops.policy_id"] == replayed[-1]["policy_id"]
 
+    # the judge's drift (a group reward against each programmatic one, rewards/drift.py): a curve per step, the same
+    # numbers as the `judge_drift` view and as the measures recomputed from the stored rewards
+    drift = run_ws.query("SELECT * FROM judge_drift WHERE run_name = ?", [f"{RUN}-retrain"]).to_pylist()
+    assert {(r["judge"], r["truth"]) for r in drift} == {("judged", "correct"), ("judged", "short")}
+    degenerate = sorted(client.get_metric_history(branch["mlflow_run_id"], "judge/judged.degenerate_groups"),
+                        key=lambda m: m.step)
+    assert [m.step for m in degenerate] == [c["step"] for c in replayed]
+    for c, point in zip(replayed, degenerate):
+        (batch,) = c["trained_on"]["batches"]
+        rows = run_ws.query("SELECT r.reward_name, r.value, ro.group_id FROM rewards r JOIN rollouts ro USING (rollout_id) "
+                            "WHERE ro.batch_id = ? AND r.reward_name IN ('judged', 'correct') ORDER BY r.rollout_id",
+                            [batch]).to_pylist()
+        values = {n: [r["value"] for r in rows if r["reward_name"] == n] for n in ("judged", "correct")}
+        groups = [r["group_id"] for r in rows if r["reward_name"] == "judged"]
+        expected = drift_measures(values["judged"], values["correct"], groups)
+        assert point.value == pytest.approx(expected["degenerate_groups"])
+        (row,) = [r for r in drift if r["truth"] == "correct" and batch in r["batches"]]
+        assert row["pairs"] == expected["pairs"] and row["degenerate_groups"] == pytest.approx(point.value)
+
 
 # -- the run page and the report -------------------------------------------------------------
 
