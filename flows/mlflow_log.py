@@ -62,9 +62,7 @@ def log_step(ws: Workspace, parent_run_id: str, row: dict[str, Any], warm_starte
     if "policy" in row:
         ckpt = ws.catalog.get_checkpoint(row["policy"])
         metrics = ws.catalog.get_artifact(row["policy"])["meta"]["metrics"]
-        curves = {name: metrics[k] for k, name in TRAIN_CURVES.items() if k in metrics}
-        if row.get("reward_set"):  # the step's judge drift (rewards/drift.py), where its scoring had a judge to watch
-            curves.update(drift_curves(ws.catalog.get_artifact(row["reward_set"])["meta"].get("drift") or []))
+        curves = {name: metrics[k] for k, name in TRAIN_CURVES.items() if k in metrics} | step_drift(ws, ckpt)
         ws.tracker.log_metrics(parent_run_id, curves, step=ckpt["step"], timestamp_ms=_ms(ckpt))
     elif "eval" in row:
         ckpt = ws.catalog.get_checkpoint(row["eval"])
@@ -73,8 +71,26 @@ def log_step(ws: Workspace, parent_run_id: str, row: dict[str, Any], warm_starte
                                step=ckpt["step"], timestamp_ms=_ms(ckpt))
 
 
+# The judge's drift on a step's own batch (its first: later ones are dynamic sampling's or replayed), from the newest
+# scoring of that batch alone before the checkpoint was made (the step's, or a retrain's rescore).
+STEP_DRIFT_SQL = """
+SELECT judge, truth, agreement, tied_pairs, degenerate_groups FROM judge_drift
+WHERE batches = [?] AND completed_at <= ?
+QUALIFY row_number() OVER (PARTITION BY judge, truth ORDER BY completed_at DESC) = 1
+"""
+
+
+def step_drift(ws: Workspace, ckpt: dict[str, Any]) -> dict[str, float]:
+    """The judge-drift curves (rewards/drift.py) of an update checkpoint's step; empty where its scoring watched no
+    judge (no group reward, or no programmatic reward beside it)."""
+    batches = (ckpt.get("trained_on") or {}).get("batches") or []
+    if not batches:
+        return {}
+    return drift_curves(ws.query(STEP_DRIFT_SQL, [batches[0], ckpt["created_at"]]).to_pylist())
+
+
 def drift_curves(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """A reward set's drift rows (stages/score.py) as curves: `judge/{judge}.agreement.{truth}`, `.tied_pairs.`, and
+    """Drift rows (the `judge_drift` view's) as curves: `judge/{judge}.agreement.{truth}`, `.tied_pairs.`, and
     `judge/{judge}.degenerate_groups`; undefined measures (no pair to judge) are left out."""
     curves = {}
     for r in rows:

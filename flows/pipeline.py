@@ -165,7 +165,7 @@ def _train(cfg: RunConfig, ctx: StageContext, call: Call, start_policy: str | No
         result.policies.append(policy)
         metrics = ws.catalog.get_artifact(scored)["meta"]["metrics"]
         trained = ws.catalog.get_artifact(policy)["meta"]["metrics"]
-        on_step({"step": step, "batch": batch, "policy": policy, "reward_set": scored,
+        on_step({"step": step, "batch": batch, "policy": policy,
                  "reward_mean": metrics.get(f"{reward.name}.mean", float("nan")),
                  **({"batches": len(batches) - replayed} if cfg.dynamic_sampling.enabled else {}),
                  **({"replayed_batches": replayed} if cfg.replay.enabled else {}),

@@ -175,6 +175,23 @@ def test_json_mode_falls_back_when_unsupported(judge_server, make_rollout) -> No
     assert outs[0].details["verdict_format"] == "validated"
 
 
+def test_a_schema_the_server_cannot_compile_falls_back_to_validated_replies(judge_server, make_rollout) -> None:
+    """llama.cpp's server answers a JSON schema it cannot turn into a grammar with a 400 that names the schema, not the
+    `response_format` field: the judge asks without schemas from then on, as for a server that refuses the field."""
+    def respond(body, headers):
+        if body.get("response_format", {}).get("type") == "json_schema":
+            return 400, {"error": {"code": 400, "type": "invalid_request_error", "message":
+                                   "Unable to generate parser for this template. Automatic parser generation failed: "
+                                   "JSON schema error at #/properties/scores/items: schema must be an object"}}, 0.0
+        return judge_server.ok(scores_json({"1": 1.0, "2": 0.0}))
+
+    judge_server.respond = respond
+    outs = compute(judge_spec(judge_server), group(make_rollout, ["82", "81"]))
+    assert [o.value for o in outs] == [1.0, 0.0] and len(judge_server.requests) == 2
+    assert judge_server.requests[1]["body"]["response_format"] == {"type": "json_object"}
+    assert outs[0].details["verdict_format"] == "validated"
+
+
 @pytest.mark.parametrize("n, k", [(2, 2), (3, 3), (4, 4), (4, 8)])
 def test_permutations_cancel_position_bias(judge_server, make_rollout, n, k) -> None:
     judge_server.respond = first_position_judge(judge_server)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from bs4 import BeautifulSoup
 
+from rewards.drift import drift as drift_measures
 from storage.workspace import Workspace
 from tests.flows.conftest import tiny_config
 from tests.flows.views.conftest import RUN, XSS, dump_dom, needs_chromium, soup
