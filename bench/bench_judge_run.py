@@ -1,7 +1,10 @@
 """A run trained by the judge alone, beside the same run on the programmatic reward, one after the other.
 
     .ci/loopback .venv/bin/python bench/bench_judge_run.py [--judge SmolLM2-135M-Instruct] [--steps 40] \
-        [--mode yes_no] [--no-reference]
+        [--mode yes_no] [--no-reference] [--server rlops|llamacpp] [--runs judge,correct]
+    # the 1.5B judge without a reference, on llama.cpp's server (`make llama-server`; the GGUF as it is):
+    .ci/loopback .venv/bin/python bench/bench_judge_run.py --server llamacpp --judge $(.venv/bin/python \
+        bench/get_qwen_judge.py --gguf) --no-reference
 
 1. `rlops serve --base-model JUDGE` on a free 127.0.0.1 port; configs/arithmetic_judge.yaml pointed at it (the
    `judge` reward, by default the yes_no mode with the reference, the only training reward; `correct` scored
@@ -10,7 +13,9 @@
    evaluation, trained on `correct`).
 3. Per run: held-out `correct` of the base and of every evaluated checkpoint, the final one against the base with
    its paired 95 % bootstrap interval (`rlops eval compare`'s), wall seconds (the `runs` table's); and for the judge run, how often the
-   judge's reward agreed with `correct` on the training rollouts (pairwise, within groups).
+   judge's reward agreed with `correct` on the training rollouts (pairwise, within groups), the seconds spent
+   scoring (the score stage's, nearly all of it the judge's), and the drift curve the score stage recorded per step
+   (`judge_drift`: agreement with `correct`, tied pairs, unordered groups; rewards/drift.py).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import loopback  # bench/loopback.py: run under .ci/loopback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_judge import start_llama  # noqa: E402
 from bench_ruler import free_port, start_judge  # noqa: E402
+from bench_traffic import machine_speed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,6 +72,21 @@ def report(label: str, workspace: Path) -> dict[str, Any]:
     if label == "judge":
         pairs, agreement = views.con.sql(AGREEMENT).fetchall()[0]
         out["judge_vs_correct"] = {"pairs": pairs, "agreement": None if agreement is None else round(agreement, 3)}
+        (scoring,) = views.con.sql("SELECT sum(epoch(finished_at - started_at)) FROM stage_runs "
+                                   "WHERE stage = 'reward_set' AND status = 'complete'").fetchall()[0]
+        out["score_seconds"] = round(scoring or 0.0, 1)
+        # the training steps' scorings (an evaluation's groups are single rollouts: nothing to order)
+        curve = views.con.sql("SELECT agreement, tied_pairs, degenerate_groups, pairs FROM judge_drift WHERE judge = "
+                              "'judge' AND truth = 'correct' AND len(batches) = 1 AND degenerate_groups IS NOT NULL "
+                              "ORDER BY completed_at").fetchall()
+        r3 = lambda v: None if v is None else round(v, 3)  # noqa: E731
+        out["drift"] = {"agreement": [r3(a) for a, _, _, _ in curve], "tied_pairs": [r3(t) for _, t, _, _ in curve],
+                        "degenerate_groups": [r3(d) for _, _, d, _ in curve], "pairs": [p for *_, p in curve]}
+        half = len(curve) // 2
+        for name, part in (("first_half", curve[:half]), ("second_half", curve[half:])):
+            weights = [(a, p * (1 - t)) for a, t, _, p in part if a is not None]
+            total = sum(w for _, w in weights)
+            out["drift"][name] = r3(sum(a * w for a, w in weights) / total) if total else None
     print(json.dumps(out), flush=True)
     return out
 
@@ -77,16 +99,20 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="do not show the judge the answer")
     parser.add_argument("--report-only", action="store_true", help="report the runs already in --workdir")
     parser.add_argument("--workdir", default="/tmp/rlops-bench-judge-run")
+    parser.add_argument("--server", choices=["rlops", "llamacpp"], default="rlops", help="what serves the judge")
+    parser.add_argument("--llama-server", default=str(REPO / "build" / "llama.cpp" / "bin" / "llama-server"))
+    parser.add_argument("--runs", default="judge,correct", help="which runs to make (the report covers both)")
     args = parser.parse_args()
 
     import yaml
 
     from flows.config import read_yaml
     from stages.policy.model import prepare_model
+    from storage.settings import expand_cache
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_model(args.judge)
+    model_dir = expand_cache(args.judge) if args.server == "llamacpp" else prepare_model(args.judge)
     port = free_port()
     data = read_yaml(REPO / "configs" / "arithmetic_judge.yaml")
     (judge,) = [r for r in data["score"]["rewards"] if r["name"] == "judge"]
@@ -95,20 +121,28 @@ def main() -> None:
     config = work / "arithmetic_judge.yaml"
     config.write_text(yaml.safe_dump(data, sort_keys=False))
 
-    if not args.report_only:
-        server = start_judge(work, str(model_dir), port)
+    print(machine_speed(), flush=True)
+    runs = args.runs.split(",")
+    if not args.report_only and "judge" in runs:
+        if args.server == "llamacpp":
+            server = start_llama(args.llama_server, str(model_dir), port, 4, 2, 4096, work / "llama.log")
+        else:
+            server = start_judge(work, str(model_dir), port)
         try:
             run(config, work / "ws-judge", args.steps)
         finally:
             server.terminate()
             server.wait(timeout=60)
+    if not args.report_only and "correct" in runs:
         run(REPO / "configs" / "arithmetic_trl_parity.yaml", work / "ws-correct", args.steps)
-    rows = [report("judge", work / "ws-judge"), report("correct", work / "ws-correct")]
-    print("\n| trained on | held-out accuracy (correct) by step | final - base [95 %] | wall s |\n| --- | --- | --- | --- |")
+    rows = [report(label, work / f"ws-{label}") for label in ("judge", "correct") if (work / f"ws-{label}").exists()]
+    print("\n| trained on | held-out accuracy (correct) by step | final - base [95 %] | wall s | scoring s |\n"
+          "| --- | --- | --- | --- | --- |")
     for r in rows:
         steps = ", ".join(f"{e['step']}: {e['correct']:.2f}" for e in r["evals"])
         diff = r.get("final_vs_base", [float("nan")] * 3)
-        print(f"| {r['run']} | {steps} | {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}] | {r['seconds']} |")
+        print(f"| {r['run']} | {steps} | {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}] | {r['seconds']} "
+              f"| {r.get('score_seconds', '')} |")
 
 
 if __name__ == "__main__":

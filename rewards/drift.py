@@ -13,8 +13,8 @@ about order, per pair of one group's rollouts that the programmatic reward tells
                        left out (0.5 is chance; NaN when the judge tied or skipped every pair)
     tied_pairs         the share of those pairs the judge scores the same (no signal where the truth has one)
     pairs              how many such pairs the batch had
-    degenerate_groups  the share of the batch's groups where the judge gave no order at all: every rollout the same
-                       score, or no score (an error) for any of them
+    degenerate_groups  the share of the batch's groups (of two or more rollouts) where the judge gave no order at all:
+                       every rollout the same score, or no score (an error) for any of them
 
 These are the reward-set metrics `{judge}.agreement.{truth}`, `{judge}.tied_pairs.{truth}`,
 `{judge}.pairs.{truth}` and `{judge}.degenerate_groups` (SQL: the `judge_drift` view; MLflow: the stage run's metrics
@@ -41,8 +41,10 @@ def drift_counts(judge: Sequence[float | None], truth: Sequence[float | None], g
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
     out = dict.fromkeys(COUNTS, 0)
-    out["groups"] = len(members)
     for rows in members.values():
+        if len(rows) < 2:
+            continue  # a group of one (an evaluation's rollouts) has no order to give or to miss
+        out["groups"] += 1
         scores = [judge[i] for i in rows]
         out["degenerate"] += any(missing(s) for s in scores) or len(set(scores)) <= 1
         for a in range(len(rows)):

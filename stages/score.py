@@ -165,8 +165,11 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
             parts[config.total] = weighted_total(specs, components)
         _write(ctx, batch_id, vers, ids, parts, stats)
     if watched is not None:
-        for batch_id in batches:
-            _watch(ws, batch_id, specs, vers, watched)
+        kinds = {s.name: info(load_reward(s)) for s in specs}
+        judges = [s.name for s in specs if kinds[s.name].kind == "group"]
+        truths = [s.name for s in specs if kinds[s.name].kind == "rollout" and not kinds[s.name].partial]
+        for batch_id in batches if judges and truths else []:
+            _watch(ws, batch_id, judges, truths, vers, watched)
     metrics: dict[str, float] = {}
     for name, (n, total, squares, errors) in stats.items():
         mean = total / n if n else float("nan")
@@ -175,15 +178,10 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
     return metrics
 
 
-def _watch(ws: Workspace, batch_id: str, specs: list[RewardSpec], vers: dict[str, str],
+def _watch(ws: Workspace, batch_id: str, judges: list[str], truths: list[str], vers: dict[str, str],
            watched: dict[tuple[str, str], dict[str, int]]) -> None:
-    """Add one batch's drift counts to `watched`: every group reward (a judge) against every per-rollout reward that
-    is not partial (a programmatic check), from the batch's stored rows (computed now or before)."""
-    kinds = {s.name: info(load_reward(s)) for s in specs}
-    judges = [s.name for s in specs if kinds[s.name].kind == "group"]
-    truths = [s.name for s in specs if kinds[s.name].kind == "rollout" and not kinds[s.name].partial]
-    if not judges or not truths:
-        return
+    """Add one batch's drift counts to `watched`: every judge (a group reward) against every programmatic reward (a
+    per-rollout one that is not partial), from the batch's stored rows (computed now or before)."""
     table = ws.read_artifact(batch_id, columns=["rollout_id", "group_id"])
     ids, groups = table["rollout_id"].to_pylist(), table["group_id"].to_pylist()
     values = {name: [o.value for o in _stored(ws, batch_id, name, vers[name], ids)] for name in judges + truths}

@@ -41,6 +41,9 @@ def test_measures_on_hand_made_groups() -> None:
     judge[1] = None
     counts = drift_counts(judge, truth, groups)
     assert counts["pairs"] == 7 and counts["concordant"] == 1 and counts["degenerate"] == 1 + 1
+    # groups of one (an evaluation batch's) have nothing to order: not counted, so nothing is undefined as degenerate
+    single = drift_counts([0.3, 0.9], [1.0, 0.0], ["a", "b"])
+    assert single["groups"] == 0 and single["pairs"] == 0 and math.isnan(measures(single)["degenerate_groups"])
     # nothing the truth orders: the ratios are undefined, not 0
     flat = drift([0.2, 0.8], [1.0, 1.0], ["g", "g"])
     assert math.isnan(flat["agreement"]) and math.isnan(flat["tied_pairs"]) and flat["degenerate_groups"] == 0.0
