@@ -147,7 +147,8 @@ def timed_client(base_url: str, **kwargs: Any) -> Any:
     return Timed()
 
 
-def start_llama(binary: str, gguf: str, port: int, parallel: int, threads: int, context: int, log: Path) -> Any:
+def start_llama(binary: str, gguf: str, port: int, parallel: int, threads: int, context: int, log: Path,
+                poll: int = 0) -> Any:
     """llama.cpp's server on 127.0.0.1 with the GGUF's chat template; returns once /health answers."""
     import subprocess
 
@@ -155,7 +156,7 @@ def start_llama(binary: str, gguf: str, port: int, parallel: int, threads: int, 
 
     # --poll 0: between requests its threads sleep instead of spinning (the default, 50, kept ~half a core busy while
     # the policy generated beside it: a training step took 2-3x as long)
-    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--jinja", "--poll", "0",
+    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--jinja", "--poll", str(poll),
                              "-t", str(threads), "-np", str(parallel), "-c", str(context * parallel)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 300
@@ -232,6 +233,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=4, help="llama.cpp: slots (requests decoded together)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp: threads")
     parser.add_argument("--concurrency", type=int, default=4, help="the judge client's requests in flight")
+    parser.add_argument("--poll", type=int, default=0, help="llama.cpp: its threads' polling level between work (0-100)")
     args = parser.parse_args()
 
     from storage.settings import expand_cache
@@ -242,8 +244,9 @@ def main() -> None:
     start = time.perf_counter()
     if args.server == "llamacpp":
         model = expand_cache(args.judge)
-        server = start_llama(args.llama_server, model, port, args.parallel, args.threads, 4096, workdir / "llama.log")
-        described = f"{model} on llama.cpp ({args.parallel} slots, {args.threads} threads)"
+        server = start_llama(args.llama_server, model, port, args.parallel, args.threads, 4096, workdir / "llama.log",
+                             args.poll)
+        described = f"{model} on llama.cpp ({args.parallel} slots, {args.threads} threads, --poll {args.poll})"
     else:
         from stages.policy.model import fingerprint, prepare_model
 
