@@ -40,7 +40,7 @@ import loopback  # bench/loopback.py: run under .ci/loopback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_ruler import free_port, start_judge  # noqa: E402
+from bench_ruler import answering, free_port, start_judge  # noqa: E402
 from bench_traffic import machine_speed  # noqa: E402
 
 GROUP_SIZE = 4
@@ -152,24 +152,12 @@ def start_llama(binary: str, gguf: str, port: int, parallel: int, threads: int, 
     """llama.cpp's server on 127.0.0.1 with the GGUF's chat template; returns once /health answers."""
     import subprocess
 
-    import httpx
-
     # --poll 0: between requests its threads sleep instead of spinning (the default, 50, kept ~half a core busy while
     # the policy generated beside it: a training step took 2-3x as long)
     proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--jinja", "--poll", str(poll),
                              "-t", str(threads), "-np", str(parallel), "-c", str(context * parallel)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"llama-server did not start; see {log}")
-        time.sleep(0.5)
+    return answering(proc, f"http://127.0.0.1:{port}/health", f"llama-server did not start; see {log}")
 
 
 def judge_one(mode: str, reference: bool, data: list[Any], client: Any) -> dict[str, Any]:

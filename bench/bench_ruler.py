@@ -49,22 +49,27 @@ def free_port() -> int:
 
 def start_judge(workspace: Path, model: str, port: int) -> subprocess.Popen:
     """`rlops serve` as the config documents it; returns once /v1/models answers."""
-    import httpx
-
     log = open(workspace / "judge-serve.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--workspace", str(workspace / "judge-ws"),
                              "--base-model", model, "--port", str(port)],
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
+    return answering(proc, f"http://127.0.0.1:{port}/v1/models", f"rlops serve did not start; see {log.name}")
+
+
+def answering(proc: subprocess.Popen, url: str, failure: str, timeout: float = 300) -> subprocess.Popen:
+    """`proc` once `url` answers 200; killed, and RuntimeError(`failure`), if it exits or does not answer in time."""
+    import httpx
+
+    deadline = time.time() + timeout
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+            if httpx.get(url, timeout=5).status_code == 200:
                 return proc
         except httpx.TransportError:
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            raise RuntimeError(f"rlops serve did not start; see {log.name}")
+            raise RuntimeError(failure)
         time.sleep(0.5)
 
 
