@@ -4,9 +4,10 @@
     measures(drift_counts(...) + ...)   # several batches pooled: their counts added
 
 A policy trained on a judge can learn what fools the judge while the true score falls (published GRPO runs with
-non-reasoning judges did). The score stage (stages/score.py) measures every group reward (a judge: RULER in any mode)
-against every per-rollout reward of the config (a programmatic check: `correct`, a format reward) on each batch it
-scores, as a metric only: nothing trains on it. GRPO uses a judge's order within a group only, so the measure is
+non-reasoning judges did). The score stage (stages/score.py) measures every rlops group reward (a judge: RULER in any
+mode, a ranker; not a peer's batch function) against every per-rollout reward of the config that is not people's
+labels (a programmatic check: `correct`, a format reward) on each batch it scores, as a metric only: nothing trains
+on it. GRPO uses a judge's order within a group only, so the measure is
 about order, per pair of one group's rollouts that the programmatic reward tells apart:
 
     agreement          concordant / (concordant + discordant): the judge orders the pair as the truth does; ties

@@ -166,7 +166,8 @@ def _score_batches(config: ScoreConfig, ctx: StageContext, specs: list[RewardSpe
         _write(ctx, batch_id, vers, ids, parts, stats)
     if watched is not None:
         kinds = {s.name: info(load_reward(s)) for s in specs}
-        judges = [s.name for s in specs if kinds[s.name].kind == "group"]
+        # a judge: rlops' own group reward (RULER, a ranker); a peer's batch function (TRL's) is a group reward too
+        judges = [s.name for s in specs if kinds[s.name].kind == "group" and s.style == "rlops"]
         truths = [s.name for s in specs if kinds[s.name].kind == "rollout" and not kinds[s.name].partial]
         for batch_id in batches if judges and truths else []:
             _watch(ws, batch_id, judges, truths, vers, watched)
