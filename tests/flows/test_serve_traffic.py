@@ -48,7 +48,7 @@ def test_a_killed_server_leaves_whole_files_and_loses_at_most_what_it_had_not_fl
                                    default_headers={"X-User-Id": f"u{i % 2}"})
             client.chat.completions.create(model="base", max_tokens=2, messages=[{"role": "user", "content": f"Hi {i}"}])
         # Two parts of two calls each are written while it serves; the fifth call waits for a sixth.
-        wait_until(lambda: count(capsys, ws, "traffic") == 4, proc, "four calls in SQL", timeout=60, every=0.2, log=log)
+        wait_until(lambda: count(capsys, ws, "traffic") == 4, proc, "four calls in SQL", timeout=180, every=0.2, log=log)
         ok = httpx.post(f"{url}/rlops/episodes/ep-0/feedback", json={"score": 1, "who": "u0"})
         assert ok.status_code == 200, ok.text
         assert httpx.post(f"{url}/rlops/episodes/ep-9/feedback", json={"score": 1}).status_code == 404
